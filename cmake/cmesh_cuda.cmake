@@ -1,0 +1,32 @@
+# CUDA kernels and the NCCL backend are compiled whenever nvcc is found
+# (CMESH_WITH_CUDA turns them off). Sets CMESH_HAVE_CUDA and CMESH_HAVE_NCCL.
+set(CMESH_HAVE_CUDA OFF)
+set(CMESH_HAVE_NCCL OFF)
+if(CMESH_WITH_CUDA)
+  include(CheckLanguage)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT CMAKE_CUDA_ARCHITECTURES)
+      # Hopper is the target; one architecture keeps the CI build short.
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 17)
+    # One CUDA runtime for every target that links device code.
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+    find_package(CUDAToolkit REQUIRED)
+    set(CMESH_HAVE_CUDA ON)
+    find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+    find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
+    if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+      set(CMESH_HAVE_NCCL ON)
+      add_library(cmesh_nccl_lib UNKNOWN IMPORTED)
+      set_target_properties(cmesh_nccl_lib PROPERTIES IMPORTED_LOCATION "${NCCL_LIBRARY}"
+        INTERFACE_INCLUDE_DIRECTORIES "${NCCL_INCLUDE_DIR}")
+    endif()
+  endif()
+endif()
+message(STATUS "cmesh: CUDA kernels ${CMESH_HAVE_CUDA}, NCCL backend ${CMESH_HAVE_NCCL}")

@@ -1,0 +1,65 @@
+// cmesh: the command line of Candies Mesh.
+#include "cli/commands.hpp"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <cstdlib>
+
+int main(int argc, char** argv) {
+  using namespace cmesh::cli;
+  spdlog::set_pattern("[%H:%M:%S.%e] [%^%l%$] [pid %P] %v");
+  if (const char* lvl = std::getenv("CMESH_LOG_LEVEL"))
+    spdlog::set_level(spdlog::level::from_str(lvl));
+
+  CLI::App app{"Candies Mesh: a fault-tolerant training runtime"};
+  app.require_subcommand(1);
+  job_options job;
+  std::string bind = "127.0.0.1";
+  uint16_t port = 0;
+
+  app.add_subcommand("version", "print the versions of cmesh and its libraries");
+
+  auto* coord = app.add_subcommand("coordinator", "serve membership and bootstrap for N workers");
+  coord->add_option("--bind", bind, "address to listen on")->capture_default_str();
+  coord->add_option("--port", port, "port to listen on (0: any)")->capture_default_str();
+  coord->add_option("-n,--world-size", job.world_size, "number of workers")
+    ->required()->check(CLI::Range(1u, 1u << 20));
+  coord->add_option("--timeout-s", job.timeout_s, "give up after this long")
+    ->capture_default_str()->check(CLI::PositiveNumber);
+
+  auto* worker = app.add_subcommand(
+    "worker", "one rank; rank and size from OMPI_COMM_WORLD_*, SLURM_* or CMESH_*, "
+              "the coordinator from CMESH_COORDINATOR=host:port");
+  worker->add_option("--laps", job.laps, "ring laps of the smoke job")->capture_default_str();
+  worker->add_option("--timeout-s", job.timeout_s, "give up after this long")
+    ->capture_default_str()->check(CLI::PositiveNumber);
+
+  auto* launch = app.add_subcommand("launch", "a coordinator and N workers on this machine");
+  launch->add_option("-n,--world-size", job.world_size, "number of workers")
+    ->required()->check(CLI::Range(1u, 256u));
+  launch->add_option("--laps", job.laps, "ring laps of the smoke job")->capture_default_str();
+  launch->add_option("--timeout-s", job.timeout_s, "give up after this long")
+    ->capture_default_str()->check(CLI::PositiveNumber);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "cmesh: error: {} (see cmesh --help)\n", e.what());
+    return 2;
+  }
+  if (app.got_subcommand("version"))
+    return run_version();
+  if (app.got_subcommand(coord))
+    return run_coordinator(bind, port, job);
+  if (app.got_subcommand(worker))
+    return run_worker(job);
+  if (app.got_subcommand(launch))
+    return run_launch(job);
+  return 2;
+}

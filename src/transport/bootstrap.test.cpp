@@ -1,0 +1,375 @@
+#include "transport/bootstrap.hpp"
+
+#include "transport/wire.hpp"
+
+#include <boost/asio.hpp>
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <future>
+#include <random>
+#include <thread>
+
+using namespace cmesh;
+using namespace std::chrono_literals;
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+// Hang guards only: every wait below normally ends in milliseconds.
+constexpr auto guard = 5000ms;
+
+std::unique_ptr<coordinator> start_coordinator(uint32_t world_size, size_t reports_max = 100000) {
+  coordinator_options opts;
+  opts.world_size = world_size;
+  opts.reports_max = reports_max;
+  auto c = std::make_unique<coordinator>(opts);
+  REQUIRE(!c->start());
+  REQUIRE(c->port() != 0);
+  return c;
+}
+
+host_port address_of(const coordinator& c) {
+  return host_port{"127.0.0.1", c.port()};
+}
+
+coordinator_client connect_to(const coordinator& c) {
+  auto client = coordinator_client::connect(address_of(c), guard);
+  REQUIRE(client);
+  return std::move(*client);
+}
+
+wire::register_worker worker(uint32_t rank, uint32_t world_size, uint64_t incarnation = 1) {
+  wire::register_worker w;
+  w.rank = rank;
+  w.world_size = world_size;
+  w.incarnation = incarnation;
+  w.pid = 1000 + rank;
+  w.host = "host" + std::to_string(rank);
+  w.ucx_address = {static_cast<unsigned char>(rank), 0xab, 0xcd};
+  return w;
+}
+
+/// Polls `cond` until it holds or the guard runs out.
+template <class F>
+bool eventually(F cond) {
+  auto deadline = std::chrono::steady_clock::now() + guard;
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() > deadline)
+      return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+/// A port on which nothing listens (bound once, then released).
+uint16_t unused_port() {
+  asio::io_context io;
+  tcp::acceptor a(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  return a.local_endpoint().port();
+}
+
+/// Writes raw bytes to the coordinator and waits for it to hang up on us.
+/// Returns the error that ended the read (eof or a reset), or success if the
+/// coordinator answered with data instead or did not hang up in time.
+boost::system::error_code send_raw_and_wait_close(uint16_t port, const std::vector<uint8_t>& bytes) {
+  asio::io_context io;
+  tcp::socket s(io);
+  s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  asio::write(s, asio::buffer(bytes));
+  std::array<char, 64> buf{};
+  boost::system::error_code result;
+  s.async_read_some(asio::buffer(buf), [&](const boost::system::error_code& ec, size_t) {
+    result = ec;
+  });
+  io.run_for(guard);
+  return result;
+}
+
+bool is_hang_up(const boost::system::error_code& ec) {
+  return ec == asio::error::eof || ec == asio::error::connection_reset;
+}
+
+} // namespace
+
+TEST_CASE("parse_host_port accepts host:port and rejects the rest") {
+  auto ok = parse_host_port("127.0.0.1:5555");
+  REQUIRE(ok);
+  CHECK(ok->host == "127.0.0.1");
+  CHECK(ok->port == 5555);
+  CHECK(ok->to_string() == "127.0.0.1:5555");
+
+  auto named = parse_host_port("node-7.cluster:65535");
+  REQUIRE(named);
+  CHECK(named->host == "node-7.cluster");
+  CHECK(named->port == 65535);
+
+  auto v6 = parse_host_port("[::1]:80");
+  REQUIRE(v6);
+  CHECK(v6->host == "::1");
+
+  for (auto bad : {"", "127.0.0.1", "127.0.0.1:", ":5555", "host:abc", "host:55x", "host:0",
+                   "host:65536", "host:99999999999999999999", "host:-1", "host:+5", "host: 5"}) {
+    CAPTURE(bad);
+    auto r = parse_host_port(bad);
+    REQUIRE(!r);
+    CHECK(code_of(r.error()) == errc::invalid_argument);
+    CHECK(describe(r.error()).find("host:port") != std::string::npos);
+  }
+}
+
+TEST_CASE("three workers register and all receive the same sorted peer table") {
+  auto coord = start_coordinator(3);
+  std::atomic<int> registrations{0};
+  coord->on_event([&](const worker_event& ev) {
+    if (ev.what == worker_event::type::registered)
+      ++registrations;
+  });
+  std::vector<std::future<expected<wire::peer_table>>> tables;
+  for (uint32_t rank : {2u, 0u, 1u}) // out of order on purpose
+    tables.push_back(std::async(std::launch::async, [&, rank] {
+      auto client = connect_to(*coord);
+      return client.register_and_wait(worker(rank, 3), guard);
+    }));
+  std::vector<wire::peer_table> got;
+  for (auto& f : tables) {
+    auto t = f.get();
+    REQUIRE(t);
+    got.push_back(*t);
+  }
+  CHECK(got[0] == got[1]);
+  CHECK(got[1] == got[2]);
+  const auto& t = got[0];
+  CHECK(t.epoch == 1);
+  CHECK(t.world_size == 3);
+  REQUIRE(t.peers.size() == 3);
+  for (uint32_t r = 0; r < 3; ++r) {
+    CHECK(t.peers[r].rank == r);
+    CHECK(t.peers[r].pid == 1000 + r);
+    CHECK(t.peers[r].host == "host" + std::to_string(r));
+    CHECK(t.peers[r].ucx_address == wire::bytes{static_cast<unsigned char>(r), 0xab, 0xcd});
+  }
+  CHECK(registrations == 3);
+  CHECK(coord->registered() == std::vector<uint32_t>{0, 1, 2});
+}
+
+TEST_CASE("bad ranks, wrong world sizes and duplicates are rejected") {
+  auto coord = start_coordinator(2);
+  auto first = std::async(std::launch::async, [&] {
+    auto client = connect_to(*coord);
+    auto t = client.register_and_wait(worker(0, 2), guard);
+    return std::make_pair(std::move(client), std::move(t));
+  });
+  REQUIRE(eventually([&] { return coord->registered() == std::vector<uint32_t>{0}; }));
+
+  auto outside = connect_to(*coord).register_and_wait(worker(5, 2), guard);
+  REQUIRE(!outside);
+  CHECK(code_of(outside.error()) == errc::invalid_argument);
+  CHECK(describe(outside.error()).find("outside world size") != std::string::npos);
+
+  auto wrong_size = connect_to(*coord).register_and_wait(worker(1, 3), guard);
+  REQUIRE(!wrong_size);
+  CHECK(code_of(wrong_size.error()) == errc::invalid_argument);
+
+  auto duplicate = connect_to(*coord).register_and_wait(worker(0, 2, 2), guard);
+  REQUIRE(!duplicate);
+  CHECK(code_of(duplicate.error()) == errc::invalid_argument);
+  CHECK(describe(duplicate.error()).find("already registered") != std::string::npos);
+
+  // The rejected ones left no trace; the job still completes.
+  auto second = connect_to(*coord).register_and_wait(worker(1, 2), guard);
+  REQUIRE(second);
+  CHECK(second->peers.size() == 2);
+  auto [client0, table0] = first.get();
+  REQUIRE(table0);
+  CHECK(*table0 == *second);
+}
+
+TEST_CASE("a rank that disconnected may register again with a new incarnation") {
+  auto coord = start_coordinator(2);
+  std::atomic<int> disconnects{0};
+  coord->on_event([&](const worker_event& ev) {
+    if (ev.what == worker_event::type::disconnected)
+      ++disconnects;
+  });
+  auto first = std::async(std::launch::async, [&] {
+    auto client = connect_to(*coord);
+    auto t = client.register_and_wait(worker(0, 2), guard);
+    return std::make_pair(std::move(client), std::move(t));
+  });
+  {
+    auto client1 = connect_to(*coord);
+    REQUIRE(client1.register_and_wait(worker(1, 2, 1), guard));
+  } // rank 1 goes away
+  auto [client0, table0] = first.get();
+  REQUIRE(table0);
+  REQUIRE(eventually([&] { return coord->disconnected() == std::vector<uint32_t>{1}; }));
+  CHECK(disconnects == 1);
+
+  auto stale = connect_to(*coord).register_and_wait(worker(1, 2, 0), guard);
+  REQUIRE(!stale);
+  CHECK(code_of(stale.error()) == errc::invalid_argument);
+
+  auto again = connect_to(*coord);
+  auto t = again.register_and_wait(worker(1, 2, 2), guard);
+  REQUIRE(t);
+  CHECK(t->epoch == 2);
+  REQUIRE(t->peers.size() == 2);
+  CHECK(t->peers[1].incarnation == 2);
+  CHECK(coord->disconnected().empty());
+  CHECK(coord->registered() == std::vector<uint32_t>{0, 1});
+
+  // rank 0 got the update too, and skips it while waiting for the shutdown.
+  coord->broadcast_shutdown(0, "done");
+  auto s = client0.wait_shutdown(guard);
+  REQUIRE(s);
+  CHECK(s->reason == "done");
+}
+
+TEST_CASE("reports reach wait_report, in order and bounded") {
+  auto coord = start_coordinator(1, 3);
+  std::atomic<int> report_events{0};
+  coord->on_event([&](const worker_event& ev) {
+    if (ev.what == worker_event::type::report)
+      ++report_events;
+  });
+  auto client = connect_to(*coord);
+  REQUIRE(client.register_and_wait(worker(0, 1), guard));
+  for (int i = 0; i < 5; ++i)
+    REQUIRE(!client.report(wire::report{0, "step", std::to_string(i), i}));
+  REQUIRE(!client.report(wire::report{0, "done", "ok", 5}));
+
+  auto done = coord->wait_report([](const wire::report& r) { return r.key == "done"; }, guard);
+  REQUIRE(done);
+  CHECK(done->value == "ok");
+  // Reports that arrived before the call count too.
+  auto step = coord->wait_report([](const wire::report& r) { return r.value == "4"; }, guard);
+  REQUIRE(step);
+  auto kept = coord->reports();
+  REQUIRE(kept.size() == 3); // reports_max drops the oldest
+  CHECK(kept[0].value == "3");
+  CHECK(kept[1].value == "4");
+  CHECK(kept[2].key == "done");
+  CHECK(report_events == 6);
+}
+
+TEST_CASE("wait_report returns nullopt after its timeout") {
+  auto coord = start_coordinator(1);
+  auto start = std::chrono::steady_clock::now();
+  auto r = coord->wait_report([](const wire::report&) { return true; }, 100ms);
+  auto took = std::chrono::steady_clock::now() - start;
+  CHECK(!r);
+  CHECK(took >= 100ms);
+  CHECK(took < guard);
+}
+
+TEST_CASE("connecting where nothing listens is unreachable within the timeout") {
+  auto port = unused_port();
+  auto start = std::chrono::steady_clock::now();
+  auto c = coordinator_client::connect({"127.0.0.1", port}, 300ms);
+  auto took = std::chrono::steady_clock::now() - start;
+  REQUIRE(!c);
+  CHECK(code_of(c.error()) == errc::unreachable);
+  auto text = describe(c.error());
+  CHECK(text.find("127.0.0.1:" + std::to_string(port)) != std::string::npos);
+  CHECK(text.find("Connection refused") != std::string::npos);
+  CHECK(took >= 200ms); // it kept retrying
+  CHECK(took < 3s);
+}
+
+TEST_CASE("the coordinator cannot bind a port in use") {
+  auto coord = start_coordinator(1);
+  coordinator_options opts;
+  opts.port = coord->port();
+  coordinator second(opts);
+  auto err = second.start();
+  CHECK(code_of(err) == errc::unreachable);
+}
+
+TEST_CASE("a client that connects late still gets in: connect retries until the coordinator listens") {
+  auto port = unused_port();
+  auto late = std::async(std::launch::async, [port] {
+    std::this_thread::sleep_for(200ms);
+    coordinator_options opts;
+    opts.port = port;
+    auto c = std::make_unique<coordinator>(opts);
+    REQUIRE(!c->start());
+    return c;
+  });
+  auto client = coordinator_client::connect({"127.0.0.1", port}, guard);
+  auto coord = late.get();
+  REQUIRE(client);
+  CHECK(client->register_and_wait(worker(0, 1), guard));
+}
+
+TEST_CASE("garbage and oversized frames are rejected; the coordinator keeps serving") {
+  auto coord = start_coordinator(1);
+  auto before = wire::rejects().total();
+
+  std::mt19937 rng(42);
+  std::vector<uint8_t> garbage = {64, 0, 0, 0};
+  for (int i = 0; i < 64; ++i)
+    garbage.push_back(static_cast<uint8_t>(rng()));
+  CHECK(is_hang_up(send_raw_and_wait_close(coord->port(), garbage)));
+
+  std::vector<uint8_t> huge = {0xff, 0xff, 0xff, 0xff, 1, 2, 3};
+  CHECK(is_hang_up(send_raw_and_wait_close(coord->port(), huge)));
+
+  // A well-formed frame of a kind workers do not send is refused too.
+  auto frame = wire::encode(wire::frame_header{}, wire::shutdown{1, "not yours"});
+  std::vector<uint8_t> wrong_kind = {static_cast<uint8_t>(frame.size()), 0, 0, 0};
+  wrong_kind.insert(wrong_kind.end(), frame.begin(), frame.end());
+  CHECK(is_hang_up(send_raw_and_wait_close(coord->port(), wrong_kind)));
+
+  CHECK(wire::rejects().total() >= before + 3);
+  auto client = connect_to(*coord);
+  auto t = client.register_and_wait(worker(0, 1), guard);
+  REQUIRE(t);
+  CHECK(t->peers.size() == 1);
+}
+
+TEST_CASE("broadcast_shutdown reaches every worker's wait_shutdown") {
+  auto coord = start_coordinator(2);
+  auto other = std::async(std::launch::async, [&] {
+    auto client = connect_to(*coord);
+    REQUIRE(client.register_and_wait(worker(1, 2), guard));
+    return client.wait_shutdown(guard);
+  });
+  auto client = connect_to(*coord);
+  REQUIRE(client.register_and_wait(worker(0, 2), guard));
+
+  auto early = client.wait_shutdown(50ms);
+  REQUIRE(!early);
+  CHECK(code_of(early.error()) == errc::timeout);
+
+  coord->broadcast_shutdown(3, "job done");
+  coord->stop(); // queued shutdowns still go out before the sockets close
+  for (auto s : {client.wait_shutdown(guard), other.get()}) {
+    REQUIRE(s);
+    CHECK(s->exit_code == 3);
+    CHECK(s->reason == "job done");
+  }
+}
+
+TEST_CASE("stopping the coordinator makes wait_shutdown return closed") {
+  auto coord = start_coordinator(1);
+  auto client = connect_to(*coord);
+  REQUIRE(client.register_and_wait(worker(0, 1), guard));
+  coord->stop();
+  coord->stop(); // idempotent
+  auto s = client.wait_shutdown(guard);
+  REQUIRE(!s);
+  CHECK(code_of(s.error()) == errc::closed);
+  CHECK(code_of(client.report(wire::report{})) == errc::closed);
+}
+
+TEST_CASE("coordinator_client moves") {
+  auto coord = start_coordinator(1);
+  auto a = connect_to(*coord);
+  coordinator_client b = std::move(a);
+  CHECK(code_of(a.report(wire::report{})) == errc::closed); // NOLINT: moved-from on purpose
+  auto c = connect_to(*coord);
+  c = std::move(b);
+  CHECK(c.register_and_wait(worker(0, 1), guard));
+}

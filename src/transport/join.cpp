@@ -1,0 +1,72 @@
+#include "transport/join.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <unistd.h>
+
+namespace cmesh {
+
+namespace {
+
+expected<host_port> coordinator_from_env() {
+  auto text = env_string("CMESH_COORDINATOR");
+  if (!text)
+    return make_error(errc::invalid_argument,
+                      "CMESH_COORDINATOR is not set (expected host:port of `cmesh coordinator`)");
+  return parse_host_port(*text);
+}
+
+std::string host_name() {
+  char buf[256] = {0};
+  gethostname(buf, sizeof(buf) - 1);
+  return buf;
+}
+
+} // namespace
+
+expected<joined_mesh> join_mesh(join_options opts) {
+  std::string err;
+  if (!env_override("CMESH_CONNECT_TIMEOUT_MS", opts.connect_timeout_ms, err)
+      || !env_override("CMESH_REGISTER_TIMEOUT_MS", opts.register_timeout_ms, err))
+    return make_error(errc::invalid_argument, err);
+  if (!opts.place) {
+    opts.place = read_launch_env(err);
+    if (!err.empty())
+      return make_error(errc::invalid_argument, err);
+  }
+  if (!opts.coordinator) {
+    auto c = coordinator_from_env();
+    if (!c)
+      return c.error();
+    opts.coordinator = *c;
+  }
+  auto topts = transport_options::from_env(opts.transport);
+  if (!topts)
+    return topts.error();
+  const auto rank = static_cast<uint32_t>(opts.place->rank);
+  auto net = transport::create(rank, *topts);
+  if (!net)
+    return net.error();
+  auto client = coordinator_client::connect(*opts.coordinator,
+                                            std::chrono::milliseconds(opts.connect_timeout_ms));
+  if (!client)
+    return client.error();
+  wire::register_worker me;
+  me.rank = rank;
+  me.world_size = static_cast<uint32_t>(opts.place->world_size);
+  me.incarnation = opts.incarnation != 0
+                     ? opts.incarnation
+                     : (static_cast<uint64_t>(getpid()) << 32) ^ static_cast<uint64_t>(mono_ns());
+  me.pid = getpid();
+  me.host = host_name();
+  me.ucx_address = (*net)->address();
+  auto table = client->register_and_wait(me, std::chrono::milliseconds(opts.register_timeout_ms));
+  if (!table)
+    return table.error();
+  if (auto e = (*net)->connect(table->peers))
+    return e;
+  spdlog::debug("rank {}: joined a mesh of {}", rank, table->world_size);
+  return joined_mesh{*opts.place, std::move(*net), std::move(*client), std::move(*table)};
+}
+
+} // namespace cmesh

@@ -1,0 +1,39 @@
+// Joining the mesh: what every worker process does before its actors can
+// talk. Reads rank and size from the launcher's environment, creates the
+// transport, registers with the coordinator (CMESH_COORDINATOR) and connects
+// the endpoints of the peer table it gets back.
+#pragma once
+
+#include "core/env.hpp"
+#include "core/error.hpp"
+#include "transport/bootstrap.hpp"
+#include "transport/transport.hpp"
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace cmesh {
+
+struct join_options {
+  std::optional<host_port> coordinator; // default: CMESH_COORDINATOR
+  std::optional<launch_env> place;      // default: read_launch_env()
+  int64_t connect_timeout_ms = 10000;   // to reach the coordinator (CMESH_CONNECT_TIMEOUT_MS)
+  int64_t register_timeout_ms = 60000;  // for every rank to register (CMESH_REGISTER_TIMEOUT_MS)
+  uint64_t incarnation = 0;             // 0: derived from pid and time
+  transport_options transport;
+};
+
+struct joined_mesh {
+  launch_env place;
+  std::unique_ptr<transport> net; // connected, not started
+  coordinator_client coordinator;
+  wire::peer_table table;
+};
+
+/// Errors: invalid_argument (bad environment), unreachable (coordinator),
+/// timeout, transport_failure.
+expected<joined_mesh> join_mesh(join_options opts);
+
+} // namespace cmesh

@@ -1,0 +1,261 @@
+#include "transport/mesh.hpp"
+
+#include "core/check.hpp"
+
+#include <caf/actor_cast.hpp>
+#include <caf/actor_proxy.hpp>
+#include <caf/make_actor.hpp>
+#include <caf/mailbox_element.hpp>
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace cmesh {
+
+struct mesh::core : std::enable_shared_from_this<mesh::core> {
+  caf::actor_system& sys;
+  transport& net;
+  std::atomic<uint64_t> epoch{0};
+
+  mutable std::mutex mtx;
+  std::unordered_map<std::string, caf::actor> published;
+  std::unordered_map<caf::actor_id, std::string> names_by_id;
+  std::unordered_map<std::string, caf::actor_addr> auto_named; // weak: repliable senders
+  std::map<std::pair<uint32_t, std::string>, caf::strong_actor_ptr> proxies;
+  std::map<uint32_t, caf::error> fenced;
+
+  std::atomic<uint64_t> forwarded{0}, delivered{0}, unsendable{0}, send_failures{0};
+
+  core(caf::actor_system& s, transport& t) : sys(s), net(t) {}
+
+  std::string name_of(const caf::strong_actor_ptr& sender);
+  caf::actor local(const std::string& name);
+  caf::strong_actor_ptr proxy_for(uint32_t rank, const std::string& name);
+  void deliver(inbound_frame&& f);
+  void peer_down(uint32_t rank, const caf::error& reason);
+
+  template <class T>
+  void forward(uint32_t rank, const std::string& dst, const caf::strong_actor_ptr& sender,
+               const T& msg) {
+    wire::frame_header h;
+    h.epoch = epoch.load(std::memory_order_relaxed);
+    h.src_actor = name_of(sender);
+    h.dst_actor = dst;
+    if (auto err = net.send_message(rank, std::move(h), msg)) {
+      auto n = ++send_failures;
+      if (n <= 10 || n % 1000 == 0)
+        spdlog::warn("send to {}@{} failed ({} so far): {}", dst, rank, n, describe(err));
+      return;
+    }
+    ++forwarded;
+  }
+};
+
+namespace {
+
+/// A local stand-in for an actor in another process.
+class remote_proxy final : public caf::actor_proxy {
+public:
+  remote_proxy(caf::actor_config& cfg, std::weak_ptr<mesh::core> core, uint32_t rank,
+               std::string name)
+      : caf::actor_proxy(cfg), core_(std::move(core)), rank_(rank), name_(std::move(name)) {}
+
+  void enqueue(caf::mailbox_element_ptr what, caf::execution_unit*) override {
+    if (!what)
+      return;
+    auto c = core_.lock();
+    if (!c)
+      return;
+    auto& content = what->content();
+    bool sent = false;
+    wire::for_each_type(wire::actor_messages{}, [&]<class T>() {
+      if (!sent && content.size() == 1 && content.match_elements<T>()) {
+        sent = true;
+        c->forward(rank_, name_, what->sender, content.get_as<T>(0));
+      }
+    });
+    if (!sent) {
+      auto n = ++c->unsendable;
+      if (n <= 10)
+        spdlog::warn("message to {}@{} dropped: its type is not in the wire registry", name_,
+                     rank_);
+    }
+  }
+
+  // Remote links are not supported: callers monitor proxies instead.
+  void add_link(caf::abstract_actor*) override {}
+  void remove_link(caf::abstract_actor*) override {}
+  bool add_backlink(caf::abstract_actor*) override { return false; }
+  bool remove_backlink(caf::abstract_actor*) override { return false; }
+
+  void kill_proxy(caf::execution_unit* ctx, caf::error reason) override {
+    cleanup(std::move(reason), ctx);
+  }
+
+  const char* name() const override { return "cmesh.remote_proxy"; }
+
+private:
+  std::weak_ptr<mesh::core> core_;
+  uint32_t rank_;
+  std::string name_;
+};
+
+} // namespace
+
+std::string mesh::core::name_of(const caf::strong_actor_ptr& sender) {
+  if (!sender)
+    return {};
+  std::lock_guard<std::mutex> g(mtx);
+  auto id = sender->id();
+  if (auto i = names_by_id.find(id); i != names_by_id.end())
+    return i->second;
+  // An unpublished sender gets a name so that the receiver can answer it.
+  auto name = "@" + std::to_string(id);
+  names_by_id.emplace(id, name);
+  auto_named.emplace(name, caf::actor_cast<caf::actor_addr>(sender));
+  return name;
+}
+
+caf::actor mesh::core::local(const std::string& name) {
+  std::lock_guard<std::mutex> g(mtx);
+  if (auto i = published.find(name); i != published.end())
+    return i->second;
+  if (auto i = auto_named.find(name); i != auto_named.end()) {
+    auto a = caf::actor_cast<caf::actor>(i->second);
+    if (!a) {
+      auto_named.erase(i);
+      names_by_id.erase(caf::actor_id{std::stoull(name.substr(1))});
+    }
+    return a;
+  }
+  return {};
+}
+
+caf::strong_actor_ptr mesh::core::proxy_for(uint32_t rank, const std::string& name) {
+  if (name.empty())
+    return nullptr;
+  caf::strong_actor_ptr p;
+  caf::error dead;
+  {
+    std::lock_guard<std::mutex> g(mtx);
+    auto key = std::make_pair(rank, name);
+    if (auto i = proxies.find(key); i != proxies.end())
+      return i->second;
+    caf::actor_config cfg;
+    p = caf::make_actor<remote_proxy, caf::strong_actor_ptr>(
+      sys.next_actor_id(), sys.node(), &sys, cfg, weak_from_this(), rank, name);
+    proxies.emplace(key, p);
+    if (auto i = fenced.find(rank); i != fenced.end())
+      dead = i->second;
+  }
+  if (dead)
+    static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(p))->kill_proxy(nullptr, dead);
+  return p;
+}
+
+void mesh::core::deliver(inbound_frame&& f) {
+  auto dst = local(f.header.dst_actor);
+  if (!dst) {
+    wire::note_reject(make_error(errc::unknown_destination,
+                                 "no actor named '" + f.header.dst_actor + "'"),
+                      "mesh");
+    return;
+  }
+  bool known = wire::visit_kind<wire::actor_messages>(f.header.kind, [&]<class T>() {
+    auto m = wire::decode_body<T>(f.body());
+    if (!m) {
+      wire::note_reject(m.error(), "mesh");
+      return;
+    }
+    if constexpr (wire::has_bulk_v<T>)
+      m->payload = std::move(f.payload);
+    auto src = proxy_for(f.from, f.header.src_actor);
+    dst->enqueue(caf::make_mailbox_element(std::move(src), caf::make_message_id(), {},
+                                           std::move(*m)),
+                 nullptr);
+    ++delivered;
+  });
+  if (!known)
+    wire::note_reject(make_error(errc::unknown_kind, std::string("kind ")
+                                                       + std::to_string(f.header.kind)
+                                                       + " is not an actor message"),
+                      "mesh");
+}
+
+void mesh::core::peer_down(uint32_t rank, const caf::error& reason) {
+  std::vector<caf::strong_actor_ptr> victims;
+  {
+    std::lock_guard<std::mutex> g(mtx);
+    fenced.emplace(rank, reason);
+    for (auto& [key, p] : proxies)
+      if (key.first == rank)
+        victims.push_back(p);
+  }
+  for (auto& p : victims)
+    static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(p))->kill_proxy(nullptr,
+                                                                                      reason);
+}
+
+mesh::mesh(caf::actor_system& sys, transport& t) : core_(std::make_shared<core>(sys, t)) {
+  std::weak_ptr<core> weak = core_;
+  t.set_handlers(
+    [weak](inbound_frame&& f) {
+      if (auto c = weak.lock())
+        c->deliver(std::move(f));
+    },
+    [weak](uint32_t rank, const caf::error& reason) {
+      if (auto c = weak.lock())
+        c->peer_down(rank, reason);
+    });
+}
+
+mesh::~mesh() {
+  // Proxies keep only weak references; terminate them so monitors fire.
+  std::vector<caf::strong_actor_ptr> all;
+  {
+    std::lock_guard<std::mutex> g(core_->mtx);
+    for (auto& [key, p] : core_->proxies)
+      all.push_back(p);
+    core_->proxies.clear();
+    core_->published.clear();
+  }
+  for (auto& p : all)
+    static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(p))
+      ->kill_proxy(nullptr, make_error(errc::closed, "mesh shut down"));
+}
+
+void mesh::publish(const std::string& name, const caf::actor& a) {
+  CMESH_CHECK(!name.empty() && name.size() <= wire::actor_name_max && name[0] != '@');
+  std::lock_guard<std::mutex> g(core_->mtx);
+  core_->published[name] = a;
+  core_->names_by_id[a.id()] = name;
+}
+
+caf::actor mesh::remote(uint32_t rank, const std::string& name) {
+  if (rank == core_->net.self())
+    return core_->local(name);
+  return caf::actor_cast<caf::actor>(core_->proxy_for(rank, name));
+}
+
+void mesh::set_epoch(uint64_t epoch) {
+  core_->epoch = epoch;
+}
+
+uint32_t mesh::self() const {
+  return core_->net.self();
+}
+
+mesh_stats mesh::stats() const {
+  mesh_stats s;
+  s.forwarded = core_->forwarded;
+  s.delivered = core_->delivered;
+  s.unsendable = core_->unsendable;
+  s.send_failures = core_->send_failures;
+  return s;
+}
+
+} // namespace cmesh

@@ -1,0 +1,192 @@
+// The wire contract: every message kind that crosses a process boundary, in
+// one place. A kind number is forever: add new kinds, never renumber.
+//
+// Each type has `static constexpr kind_t kind`, a name, its msgpack fields
+// (MSGPACK_DEFINE), and optionally `cmesh::bulk payload` with
+// `static constexpr bool has_bulk = true`: the payload travels beside the
+// frame, not inside the msgpack body.
+#pragma once
+
+#include "transport/bulk.hpp"
+
+#include <msgpack.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cmesh::wire {
+
+using kind_t = uint16_t;
+using bytes = std::vector<unsigned char>;
+
+// -- bootstrap (worker <-> coordinator over TCP) -------------------------------
+
+/// A worker's registration: who it is and where its UCP worker listens.
+struct register_worker {
+  static constexpr kind_t kind = 1;
+  static constexpr const char* name = "register_worker";
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  uint64_t incarnation = 0;
+  int64_t pid = 0;
+  std::string host;
+  bytes ucx_address;
+  MSGPACK_DEFINE(rank, world_size, incarnation, pid, host, ucx_address)
+  bool operator==(const register_worker&) const = default;
+};
+
+struct peer_entry {
+  uint32_t rank = 0;
+  uint64_t incarnation = 0;
+  int64_t pid = 0;
+  std::string host;
+  bytes ucx_address;
+  MSGPACK_DEFINE(rank, incarnation, pid, host, ucx_address)
+  bool operator==(const peer_entry&) const = default;
+};
+
+/// The coordinator's answer once every rank registered.
+struct peer_table {
+  static constexpr kind_t kind = 2;
+  static constexpr const char* name = "peer_table";
+  uint64_t epoch = 0;
+  uint32_t world_size = 0;
+  std::vector<peer_entry> peers; // sorted by rank
+  MSGPACK_DEFINE(epoch, world_size, peers)
+  bool operator==(const peer_table&) const = default;
+};
+
+/// A worker's key/value report to the coordinator (progress, results).
+struct report {
+  static constexpr kind_t kind = 3;
+  static constexpr const char* name = "report";
+  uint32_t rank = 0;
+  std::string key;
+  std::string value;
+  int64_t mono_ns = 0;
+  MSGPACK_DEFINE(rank, key, value, mono_ns)
+  bool operator==(const report&) const = default;
+};
+
+/// The coordinator tells a worker to stop (end of job, or fatal error).
+struct shutdown {
+  static constexpr kind_t kind = 4;
+  static constexpr const char* name = "shutdown";
+  int32_t exit_code = 0;
+  std::string reason;
+  MSGPACK_DEFINE(exit_code, reason)
+  bool operator==(const shutdown&) const = default;
+};
+
+/// Coordinator's refusal of a registration (bad rank, duplicate, wrong size).
+struct rejected {
+  static constexpr kind_t kind = 5;
+  static constexpr const char* name = "rejected";
+  std::string reason;
+  MSGPACK_DEFINE(reason)
+  bool operator==(const rejected&) const = default;
+};
+
+// -- transport (process <-> process over UCX) ----------------------------------
+
+/// Liveness beacon on the control endpoint.
+struct heartbeat {
+  static constexpr kind_t kind = 16;
+  static constexpr const char* name = "heartbeat";
+  uint64_t seq = 0;
+  int64_t sent_ns = 0;
+  MSGPACK_DEFINE(seq, sent_ns)
+  bool operator==(const heartbeat&) const = default;
+};
+
+// -- actor messages ------------------------------------------------------------
+
+/// The ring token of `cmesh launch`'s smoke job.
+struct token {
+  static constexpr kind_t kind = 32;
+  static constexpr const char* name = "token";
+  uint32_t origin = 0;
+  uint32_t lap = 0;
+  uint32_t laps = 0;
+  uint64_t hops = 0;
+  MSGPACK_DEFINE(origin, lap, laps, hops)
+  bool operator==(const token&) const = default;
+};
+
+/// A numbered message of a stream (ordering tests, latency ping-pong).
+struct sequenced {
+  static constexpr kind_t kind = 33;
+  static constexpr const char* name = "sequenced";
+  uint32_t stream = 0;
+  uint64_t seq = 0;
+  int64_t sent_ns = 0;
+  MSGPACK_DEFINE(stream, seq, sent_ns)
+  bool operator==(const sequenced&) const = default;
+};
+
+/// A bulk buffer with its xxh64 checksum.
+struct blob {
+  static constexpr kind_t kind = 34;
+  static constexpr const char* name = "blob";
+  static constexpr bool has_bulk = true;
+  uint64_t seq = 0;
+  uint64_t checksum = 0;
+  cmesh::bulk payload;
+  MSGPACK_DEFINE(seq, checksum)
+  bool operator==(const blob& o) const {
+    return seq == o.seq && checksum == o.checksum && payload.size() == o.payload.size();
+  }
+};
+
+/// An acknowledgement (bandwidth tests, barriers of the smoke job).
+struct ack {
+  static constexpr kind_t kind = 35;
+  static constexpr const char* name = "ack";
+  uint64_t seq = 0;
+  uint64_t value = 0;
+  MSGPACK_DEFINE(seq, value)
+  bool operator==(const ack&) const = default;
+};
+
+// -- the registry --------------------------------------------------------------
+
+template <class... Ts>
+struct type_list {};
+
+using bootstrap_messages = type_list<register_worker, peer_table, report, shutdown, rejected>;
+using transport_messages = type_list<heartbeat>;
+/// Kinds that may be sent between actors (what a remote proxy forwards).
+using actor_messages = type_list<token, sequenced, blob, ack>;
+using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected,
+                               heartbeat, token, sequenced, blob, ack>;
+
+template <class T>
+constexpr bool has_bulk_v = requires { T::has_bulk; };
+
+template <class... Ts, class F>
+void for_each_type(type_list<Ts...>, F&& f) {
+  (f.template operator()<Ts>(), ...);
+}
+
+/// Calls f.template operator()<T>() for the type of `kind` within `List`;
+/// false when the kind is not in it.
+template <class List, class F>
+bool visit_kind(kind_t kind, F&& f) {
+  bool found = false;
+  for_each_type(List{}, [&]<class T>() {
+    if (!found && T::kind == kind) {
+      found = true;
+      f.template operator()<T>();
+    }
+  });
+  return found;
+}
+
+/// Name of a kind for logs, or nullptr when unknown.
+const char* kind_name(kind_t kind);
+
+/// True when the kind is in the registry.
+bool known_kind(kind_t kind);
+
+} // namespace cmesh::wire

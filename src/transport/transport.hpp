@@ -1,0 +1,144 @@
+// The per-process transport: one UCP worker driven by its own progress
+// thread, two endpoints per peer and failure detection.
+//
+// Endpoints. Each peer gets a control endpoint in PEER error mode (UCX picks
+// TCP: a dead peer is reported in milliseconds) that carries heartbeats, and
+// a data endpoint in NONE error mode (shared memory and CMA: full speed) that
+// carries frames and bulk payloads. Both have an error callback.
+//
+// Tags. bits 63..60 channel, 59..40 source rank, 39..0 bulk sequence. A frame
+// that carries a bulk payload has that payload's sequence in its own tag, and
+// the payload follows under (bulk channel, source, sequence); the receiver
+// pulls it (rendezvous), so a death shows up on the receiver's side.
+//
+// Failure. A peer is lost when one of its endpoints fails (errc::peer_lost)
+// or when nothing was heard from it for heartbeat_timeout_ms
+// (errc::peer_unresponsive). Either way it is fenced for good: its endpoints
+// are closed, receives from it are cancelled, later frames from it are
+// dropped and sends to it fail at once. The peer-down handler runs once.
+//
+// Threads. send(), peer_alive() and stats() may be called from any thread.
+// The handlers run on the progress thread and must not block.
+#pragma once
+
+#include "core/error.hpp"
+#include "transport/bulk.hpp"
+#include "transport/messages.hpp"
+#include "transport/wire.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace cmesh {
+
+struct transport_options {
+  int64_t heartbeat_interval_ms = 100;
+  /// Silence longer than this marks a peer unresponsive (CMESH_HEARTBEAT_TIMEOUT_MS).
+  int64_t heartbeat_timeout_ms = 1000;
+  /// A peer never heard from is given this long before it counts as lost.
+  int64_t connect_timeout_ms = 10000;
+  /// Frames waiting for the progress thread, over all peers.
+  int64_t send_queue_max = 1 << 16;
+  /// How long send() waits for room in a full queue before queue_full.
+  int64_t send_block_ms = 2000;
+  /// Sends in flight to one peer before further ones wait in its queue.
+  int64_t inflight_per_peer_max = 1024;
+  /// Busy-polling after activity before the progress thread sleeps.
+  int64_t spin_us = 50;
+
+  /// Defaults overridden by CMESH_HEARTBEAT_INTERVAL_MS, CMESH_HEARTBEAT_TIMEOUT_MS,
+  /// CMESH_CONNECT_TIMEOUT_MS, CMESH_SEND_QUEUE_MAX, CMESH_SPIN_US, CMESH_SEND_BLOCK_MS.
+  static expected<transport_options> from_env(transport_options defaults);
+};
+
+/// A frame received from a peer, with its bulk payload when it has one.
+struct inbound_frame {
+  uint32_t from = 0;
+  wire::frame_header header;
+  std::vector<uint8_t> bytes;
+  size_t body_offset = 0;
+  bulk payload;
+  std::span<const uint8_t> body() const {
+    return std::span<const uint8_t>(bytes).subspan(body_offset);
+  }
+};
+
+struct transport_stats {
+  uint64_t frames_sent = 0;
+  uint64_t frames_received = 0;
+  uint64_t bulk_bytes_sent = 0;
+  uint64_t bulk_bytes_received = 0;
+  uint64_t frames_rejected = 0;
+  uint64_t sends_refused = 0;
+  uint64_t peers_lost = 0;
+};
+
+class transport {
+public:
+  using frame_handler = std::function<void(inbound_frame&&)>;
+  using peer_down_handler = std::function<void(uint32_t peer, const caf::error& reason)>;
+
+  /// Creates the UCP context and worker for process `self`.
+  static expected<std::unique_ptr<transport>> create(uint32_t self, transport_options opts);
+
+  ~transport();
+  transport(const transport&) = delete;
+  transport& operator=(const transport&) = delete;
+
+  uint32_t self() const;
+  const transport_options& options() const;
+
+  /// This worker's UCP address, for the peer table.
+  wire::bytes address() const;
+
+  /// Sets the handlers; call before start().
+  void set_handlers(frame_handler on_frame, peer_down_handler on_down);
+
+  /// Creates the endpoints to every other entry; call before start().
+  caf::error connect(const std::vector<wire::peer_entry>& peers);
+
+  /// Starts the progress thread.
+  caf::error start();
+
+  /// Queues an encoded frame (and its payload) to `peer`. When the queue is
+  /// full, blocks up to send_block_ms (backpressure). Errors: peer_lost when
+  /// the peer is fenced, queue_full, invalid_argument, closed.
+  caf::error send(uint32_t peer, std::vector<uint8_t> frame, bulk payload = {});
+
+  /// Encodes and sends a message.
+  template <class T>
+  caf::error send_message(uint32_t peer, wire::frame_header h, const T& msg) {
+    h.src_process = self();
+    h.dst_process = peer;
+    bulk payload;
+    if constexpr (wire::has_bulk_v<T>)
+      payload = msg.payload;
+    return send(peer, wire::encode(std::move(h), msg), std::move(payload));
+  }
+
+  /// False once the peer is fenced (or was never connected).
+  bool peer_alive(uint32_t peer) const;
+
+  /// Fences a peer from outside (e.g. the coordinator declared it dead).
+  void fence(uint32_t peer, caf::error reason);
+
+  transport_stats stats() const;
+
+  /// The job is ending: peers leaving from now on are expected, so their
+  /// loss is logged quietly (the peer-down handler still runs).
+  void begin_shutdown();
+
+  /// Stops the progress thread and closes every endpoint; idempotent.
+  void stop();
+
+  struct impl; // the progress thread's state (transport.cpp)
+
+private:
+  transport();
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace cmesh

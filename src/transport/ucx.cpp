@@ -1,0 +1,44 @@
+#include "transport/ucx.hpp"
+
+namespace cmesh::ucx {
+
+caf::error status_error(ucs_status_t st, const char* what) {
+  return make_error(errc::transport_failure,
+                    std::string(what) + ": " + ucs_status_string(st));
+}
+
+worker_handle::~worker_handle() {
+  if (worker_ != nullptr)
+    ucp_worker_destroy(worker_);
+  if (context_ != nullptr)
+    ucp_cleanup(context_);
+}
+
+caf::error worker_handle::init(const std::string& name) {
+  ucp_config_t* config = nullptr;
+  UCS_CHECK(ucp_config_read(nullptr, nullptr, &config));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME
+                      | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.name = name.c_str();
+  params.mt_workers_shared = 0;
+  auto st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  UCS_CHECK(st);
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  UCS_CHECK(ucp_worker_create(context_, &wp, &worker_));
+
+  ucp_address_t* addr = nullptr;
+  size_t len = 0;
+  UCS_CHECK(ucp_worker_get_address(worker_, &addr, &len));
+  address_.assign(reinterpret_cast<const char*>(addr), len);
+  ucp_worker_release_address(worker_, addr);
+  UCS_CHECK(ucp_worker_get_efd(worker_, &efd_));
+  return {};
+}
+
+} // namespace cmesh::ucx

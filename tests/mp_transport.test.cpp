@@ -1,0 +1,115 @@
+// Real processes exchanging messages over UCX on this machine.
+#include "node_harness.hpp"
+
+#include <csignal>
+#include <sstream>
+#include <thread>
+
+using namespace cmesh;
+using namespace cmesh::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+void all_exit_zero(node_harness& h) {
+  auto st = h.finish();
+  for (size_t r = 0; r < st.size(); ++r) {
+    CAPTURE(r);
+    REQUIRE(st[r].has_value());
+    CHECK(describe_wait_status(*st[r]) == "exit 0");
+  }
+}
+
+struct down_report {
+  uint32_t rank = 0;
+  std::string reason;
+  int64_t mono_ns = 0;
+};
+
+down_report parse_down(const wire::report& r) {
+  down_report d;
+  std::istringstream in(r.value);
+  in >> d.rank >> d.reason >> d.mono_ns;
+  return d;
+}
+
+} // namespace
+
+TEST_CASE("100,000 small messages arrive in order") {
+  for (uint32_t n : {2u, 4u}) {
+    CAPTURE(n);
+    node_harness h(n);
+    h.spawn_all("cmesh_test_node", {"order", "100000"});
+    for (uint32_t r = 0; r < n; ++r) {
+      auto rep = h.report(r, "order");
+      REQUIRE(rep);
+      CHECK(rep->value == "ok 100000");
+    }
+    all_exit_zero(h);
+  }
+}
+
+TEST_CASE("a 256 MiB payload arrives intact") {
+  for (uint32_t n : {2u, 4u}) {
+    CAPTURE(n);
+    node_harness h(n);
+    h.spawn_all("cmesh_test_node", {"payload", std::to_string(256u << 20)});
+    for (uint32_t r = 0; r < n; ++r) {
+      auto rep = h.report(r, "payload");
+      REQUIRE(rep);
+      CHECK(rep->value == "ok " + std::to_string(256u << 20));
+    }
+    all_exit_zero(h);
+  }
+}
+
+namespace {
+
+// Kills (or stops) `victim` once everyone is ready; the survivors must see
+// `expected` for it within `bound` and still answer each other.
+void check_loss(uint32_t n, uint32_t victim, int sig, errc expected, std::chrono::milliseconds bound,
+                std::vector<std::pair<std::string, std::string>> env = {}) {
+  node_harness h(n, std::move(env));
+  h.spawn_all("cmesh_test_node", {"survive", std::to_string(victim)});
+  for (uint32_t r = 0; r < n; ++r)
+    REQUIRE(h.report(r, "ready"));
+  std::this_thread::sleep_for(300ms); // heartbeats flowing both ways
+  auto t_kill = mono_ns();
+  REQUIRE(h.node(victim).signal(sig));
+  for (uint32_t r = 0; r < n; ++r) {
+    if (r == victim)
+      continue;
+    CAPTURE(r);
+    auto rep = h.report(r, "down", bound + 10s);
+    REQUIRE(rep);
+    auto d = parse_down(*rep);
+    CHECK(d.rank == victim);
+    CHECK(d.reason == std::string(to_string(expected)));
+    auto latency = std::chrono::nanoseconds(d.mono_ns - t_kill);
+    MESSAGE("rank " << r << " saw " << d.reason << " after "
+                    << std::chrono::duration_cast<std::chrono::milliseconds>(latency).count()
+                    << " ms");
+    CHECK(latency < bound);
+    auto served = h.report(r, "serving", 30s);
+    REQUIRE(served);
+    CHECK(served->value == "ok " + std::to_string(n - 2));
+  }
+  if (sig == SIGSTOP)
+    h.node(victim).signal(SIGCONT);
+  h.node(victim).kill_and_reap();
+}
+
+} // namespace
+
+TEST_CASE("SIGKILL of a peer: survivors see peer_lost in time and keep serving") {
+  // A death is noticed by the endpoint (milliseconds), far ahead of the
+  // heartbeat bound; the bound here only guards against hangs on a busy CI.
+  check_loss(3, 1, SIGKILL, errc::peer_lost, 1500ms);
+  check_loss(4, 3, SIGKILL, errc::peer_lost, 1500ms);
+}
+
+TEST_CASE("SIGSTOP of a peer: the heartbeat bound fires") {
+  // Default heartbeat timeout (1 s): the report must come after it and well
+  // before a hang would.
+  check_loss(3, 2, SIGSTOP, errc::peer_unresponsive, 4000ms);
+}

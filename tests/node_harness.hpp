@@ -1,0 +1,92 @@
+// Runs a coordinator in the test process and N worker processes around it;
+// every process is killed and reaped when the harness goes out of scope.
+#pragma once
+
+#include "core/env.hpp"
+#include "core/process.hpp"
+#include "transport/bootstrap.hpp"
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace cmesh::testing {
+
+inline std::string bin_dir() {
+  if (const char* d = std::getenv("CMESH_BIN_DIR"))
+    return d;
+  return self_exe_dir() + "/../bin";
+}
+
+class node_harness {
+public:
+  explicit node_harness(uint32_t world_size, std::vector<std::pair<std::string, std::string>> env = {})
+      : world_size_(world_size), coord_({"127.0.0.1", 0, world_size}), env_(std::move(env)) {
+    REQUIRE_FALSE(coord_.start());
+  }
+
+  ~node_harness() {
+    coord_.broadcast_shutdown(0, "test over");
+    for (auto& n : nodes_)
+      if (!n.wait(std::chrono::seconds(5)))
+        n.kill_and_reap();
+    coord_.stop();
+  }
+
+  /// Starts rank r of `program` with `args`.
+  void spawn(const std::string& program, uint32_t rank, const std::vector<std::string>& args) {
+    auto env = env_;
+    env.emplace_back("CMESH_COORDINATOR", "127.0.0.1:" + std::to_string(coord_.port()));
+    env.emplace_back("CMESH_RANK", std::to_string(rank));
+    env.emplace_back("CMESH_WORLD_SIZE", std::to_string(world_size_));
+    std::string err;
+    auto c = child_process::spawn(bin_dir() + "/" + program, args, env, &err);
+    REQUIRE_MESSAGE(c.pid() > 0, err);
+    if (nodes_.size() <= rank)
+      nodes_.resize(rank + 1);
+    nodes_[rank] = std::move(c);
+  }
+
+  void spawn_all(const std::string& program, const std::vector<std::string>& args) {
+    for (uint32_t r = 0; r < world_size_; ++r)
+      spawn(program, r, args);
+  }
+
+  /// The report `key` of `rank`, waiting up to `timeout`.
+  std::optional<wire::report> report(uint32_t rank, const std::string& key,
+                                     std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+    return coord_.wait_report([&](const wire::report& r) { return r.rank == rank && r.key == key; },
+                              timeout);
+  }
+
+  std::vector<wire::report> reports(const std::string& key) const {
+    std::vector<wire::report> out;
+    for (auto& r : coord_.reports())
+      if (r.key == key)
+        out.push_back(r);
+    return out;
+  }
+
+  child_process& node(uint32_t rank) { return nodes_.at(rank); }
+  coordinator& coord() { return coord_; }
+
+  /// Shuts the job down and returns each node's raw wait status.
+  std::vector<std::optional<int>> finish(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    coord_.broadcast_shutdown(0, "test over");
+    std::vector<std::optional<int>> out;
+    for (auto& n : nodes_)
+      out.push_back(n.wait(timeout));
+    return out;
+  }
+
+private:
+  uint32_t world_size_;
+  coordinator coord_;
+  std::vector<std::pair<std::string, std::string>> env_;
+  std::vector<child_process> nodes_;
+};
+
+} // namespace cmesh::testing
