@@ -109,7 +109,7 @@ TEST_CASE("SIGKILL of a peer: survivors see peer_lost in time and keep serving")
 }
 
 TEST_CASE("SIGSTOP of a peer: the heartbeat bound fires") {
-  // Default heartbeat timeout (1 s): the report must come after it and well
+  // Default heartbeat timeout (800 ms): the report must come after it and well
   // before a hang would.
   check_loss(3, 2, SIGSTOP, errc::peer_unresponsive, 4000ms);
 }

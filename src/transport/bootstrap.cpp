@@ -583,6 +583,8 @@ coordinator::wait_report(const std::function<bool(const wire::report&)>& pred,
                          std::chrono::milliseconds timeout) {
   auto deadline = clock_type::now() + timeout;
   auto& s = *impl_;
+  // `pred` runs under the lock: it sees a stable deque and must not call
+  // back into the coordinator.
   std::unique_lock lk(s.mu);
   uint64_t next = s.first_report_seq; // arrival number of the next report to test
   for (;;) {

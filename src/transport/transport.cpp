@@ -11,8 +11,9 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <deque>
 #include <condition_variable>
+#include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -30,6 +31,7 @@ constexpr uint64_t src_bits_max = (uint64_t{1} << 20) - 1;
 constexpr uint64_t seq_mask = (uint64_t{1} << src_shift) - 1;
 constexpr uint64_t full_mask = ~uint64_t{0};
 constexpr int64_t heartbeats_inflight_max = 16;
+constexpr int probes_per_pass_max = 256;
 
 uint64_t make_tag(uint64_t channel, uint32_t src, uint64_t seq) {
   return (channel << ch_shift) | (uint64_t{src} << src_shift) | (seq & seq_mask);
@@ -41,6 +43,125 @@ uint32_t tag_source(uint64_t tag) {
 
 int64_t ms_to_ns(int64_t ms) {
   return ms * 1000000;
+}
+
+/// One UCP worker, the thread that progresses it, and the means to wake it.
+struct lane {
+  ucx::worker_handle ucx;
+  std::thread thread;
+  int wake_fd = -1;
+  int epoll_fd = -1;
+  std::atomic<bool> sleeping{false};
+  std::vector<void*> closing; // endpoint close requests in flight
+
+  ~lane() {
+    if (wake_fd >= 0)
+      ::close(wake_fd);
+    if (epoll_fd >= 0)
+      ::close(epoll_fd);
+  }
+
+  caf::error init(const std::string& name) {
+    if (auto err = ucx.init(name))
+      return err;
+    wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    if (wake_fd < 0 || epoll_fd < 0)
+      return make_error(errc::transport_failure, "eventfd/epoll_create failed");
+    for (int fd : {wake_fd, ucx.event_fd()}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      if (epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0)
+        return make_error(errc::transport_failure, "epoll_ctl failed");
+    }
+    return {};
+  }
+
+  ucp_worker_h worker() const { return ucx.worker(); }
+
+  void wake() {
+    uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(wake_fd, &one, sizeof(one));
+  }
+
+  void wake_if_sleeping() {
+    if (sleeping.load())
+      wake();
+  }
+
+  /// Arms the worker and waits for an event, a wake-up or the timeout;
+  /// `more_work` is checked after arming, so no wake-up is lost.
+  template <class MoreWork>
+  void sleep(int timeout_ms, MoreWork&& more_work) {
+    if (ucp_worker_arm(worker()) == UCS_ERR_BUSY)
+      return;
+    sleeping.store(true);
+    if (more_work()) {
+      sleeping.store(false);
+      return;
+    }
+    epoll_event evs[2];
+    int n = epoll_wait(epoll_fd, evs, 2, std::max(timeout_ms, 0));
+    sleeping.store(false);
+    for (int i = 0; i < n; ++i) {
+      if (evs[i].data.fd == wake_fd) {
+        uint64_t v;
+        [[maybe_unused]] auto r = ::read(wake_fd, &v, sizeof(v));
+      }
+    }
+  }
+
+  void close_endpoint(ucp_ep_h& ep) {
+    if (ep == nullptr)
+      return;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    auto r = ucp_ep_close_nbx(ep, &prm);
+    ep = nullptr;
+    if (r != nullptr && !UCS_PTR_IS_ERR(r))
+      closing.push_back(r);
+  }
+
+  void reap_closing() {
+    std::erase_if(closing, [](void* r) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS)
+        return false;
+      ucp_request_free(r);
+      return true;
+    });
+  }
+
+  /// Progresses until every close finished or the bound passed (a dead peer
+  /// may never let one finish).
+  void drain(int64_t bound_ms) {
+    if (worker() == nullptr)
+      return;
+    auto deadline = mono_ns() + ms_to_ns(bound_ms);
+    while (!closing.empty() && mono_ns() < deadline) {
+      ucp_worker_progress(worker());
+      reap_closing();
+    }
+    for (int i = 0; i < 1000; ++i)
+      if (ucp_worker_progress(worker()) == 0)
+        break;
+  }
+};
+
+/// Completes a nbx call: immediate success, immediate error, or a request
+/// whose callback runs later. Returns the request or nullptr.
+template <class OnNow>
+void* settle(ucs_status_ptr_t r, OnNow&& on_now) {
+  if (r == nullptr) {
+    on_now(UCS_OK);
+    return nullptr;
+  }
+  if (UCS_PTR_IS_ERR(r)) {
+    on_now(UCS_PTR_STATUS(r));
+    return nullptr;
+  }
+  return r;
 }
 
 /// One inbound frame, kept in arrival order until it and its payload are in.
@@ -65,12 +186,37 @@ struct recv_slot {
 };
 using slot_ptr = std::shared_ptr<recv_slot>;
 
-/// What a receive callback needs: the slot (kept alive until the callback)
-/// and which half of it completed.
+/// A receive callback's context: keeps the slot alive until UCX is done.
 struct recv_ctx {
   slot_ptr slot;
   bool is_bulk = false;
 };
+
+void on_recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t*,
+                  void* user_data) {
+  auto* ctx = static_cast<recv_ctx*>(user_data);
+  auto& s = *ctx->slot;
+  (ctx->is_bulk ? s.bulk_req : s.frame_req) = nullptr;
+  (ctx->is_bulk ? s.bulk_done : s.frame_done) = true;
+  if (status != UCS_OK && !s.failed) {
+    s.failed = true;
+    s.error = ucx::status_error(status, ctx->is_bulk ? "bulk receive" : "frame receive");
+  }
+  if (request != nullptr)
+    ucp_request_free(request);
+  delete ctx;
+}
+
+/// Posts the receive of a probed message into the slot's bytes.
+void receive_into(ucp_worker_h w, ucp_tag_message_h msg, const slot_ptr& slot) {
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.cb.recv = on_recv_done;
+  auto* ctx = new recv_ctx{slot, false};
+  prm.user_data = ctx;
+  auto r = ucp_tag_msg_recv_nbx(w, slot->bytes.data(), slot->bytes.size(), msg, &prm);
+  slot->frame_req = settle(r, [&](ucs_status_t st) { on_recv_done(nullptr, st, nullptr, ctx); });
+}
 
 struct command {
   uint32_t peer = 0;
@@ -78,62 +224,124 @@ struct command {
   bulk payload;
 };
 
-} // namespace
-
-struct transport::impl;
-
-namespace {
-
 struct peer_state;
 
+/// A send callback's context: owns the buffers until UCX is done with them.
 struct send_ctx {
-  transport::impl* owner = nullptr;
-  uint32_t peer = 0;
-  std::vector<uint8_t> frame; // owned until UCX is done with it
+  std::atomic<int64_t>* inflight = nullptr;
+  std::vector<uint8_t> frame;
   bulk payload;
-  bool counted = true; // counted against the peer's in-flight bound
 };
+
+void on_send_done(void* request, ucs_status_t, void* user_data) {
+  auto* ctx = static_cast<send_ctx*>(user_data);
+  if (ctx->inflight != nullptr)
+    --*ctx->inflight;
+  if (request != nullptr)
+    ucp_request_free(request);
+  delete ctx;
+}
+
+/// Posts a tagged send whose buffers the context owns.
+void send_owned(ucp_ep_h ep, uint64_t tag, send_ctx* ctx, const void* buf, size_t len) {
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.cb.send = on_send_done;
+  prm.user_data = ctx;
+  if (ctx->inflight != nullptr)
+    ++*ctx->inflight;
+  auto r = ucp_tag_send_nbx(ep, buf, len, tag, &prm);
+  settle(r, [&](ucs_status_t) { on_send_done(nullptr, UCS_OK, ctx); });
+}
 
 struct peer_state {
   transport::impl* owner = nullptr;
   uint32_t rank = 0;
-  ucp_ep_h ctrl = nullptr;
-  ucp_ep_h data = nullptr;
-  std::atomic<bool> alive{false};
   bool connected = false;
-  bool heard = false;
+  std::atomic<bool> alive{false};
   int64_t connected_ns = 0;
-  int64_t last_heard_ns = 0;
+  std::atomic<int64_t> last_heard_ns{0}; // 0: never heard
+
+  // data lane only
+  ucp_ep_h data = nullptr;
   uint64_t next_bulk_seq = 0;
-  int64_t inflight = 0;
-  int64_t heartbeats_inflight = 0;
+  std::atomic<int64_t> inflight{0};
   std::deque<slot_ptr> inbox;
   std::deque<command> pending;
+
+  // control lane only
+  ucp_ep_h ctrl = nullptr;
+  std::atomic<int64_t> heartbeats_inflight{0};
+
+  void heard(int64_t now) { last_heard_ns.store(now, std::memory_order_relaxed); }
 };
+
+/// Peer table address: u32 length of the data worker's address, that
+/// address, then the control worker's address.
+wire::bytes pack_addresses(const std::string& data, const std::string& ctrl) {
+  wire::bytes out(4);
+  auto n = static_cast<uint32_t>(data.size());
+  std::memcpy(out.data(), &n, 4);
+  out.insert(out.end(), data.begin(), data.end());
+  out.insert(out.end(), ctrl.begin(), ctrl.end());
+  return out;
+}
+
+expected<std::pair<wire::bytes, wire::bytes>> unpack_addresses(const wire::bytes& b) {
+  uint32_t n = 0;
+  if (b.size() < 4)
+    return make_error(errc::invalid_argument, "peer address too short");
+  std::memcpy(&n, b.data(), 4);
+  if (n == 0 || b.size() <= 4 + size_t{n})
+    return make_error(errc::invalid_argument, "peer address is malformed");
+  return std::make_pair(wire::bytes(b.begin() + 4, b.begin() + 4 + n),
+                        wire::bytes(b.begin() + 4 + n, b.end()));
+}
 
 } // namespace
 
 struct transport::impl {
   uint32_t self = 0;
   transport_options opts;
-  ucx::worker_handle ucx;
-  std::vector<std::unique_ptr<peer_state>> peers;
+  lane data;
+  lane ctrl;
+  std::vector<std::unique_ptr<peer_state>> peers; // fixed once started
   frame_handler on_frame;
   peer_down_handler on_down;
 
-  std::thread thread;
   std::atomic<bool> running{false};
-  std::atomic<bool> sleeping{false};
   std::atomic<bool> departing{false};
   std::atomic<bool> stopped{false}; // sends before start() are queued, after stop() refused
-  int wake_fd = -1;
-  int epoll_fd = -1;
 
   std::mutex queue_mtx;
   std::deque<command> queue;
   std::atomic<int64_t> queued{0};
-  std::condition_variable space_cv; // senders blocked on a full queue
+  std::atomic<int64_t> pending_frames{0}; // over all peers' pending queues
+  std::condition_variable space_cv;       // senders blocked on a full queue
   std::atomic<int> space_waiters{0};
+  std::vector<std::pair<uint32_t, caf::error>> deferred_failures; // guarded by queue_mtx
+  std::atomic<int> failures_pending{0};
+
+  uint64_t heartbeat_seq = 0;
+
+  struct {
+    std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bulk_sent{0}, bulk_received{0},
+      rejected{0}, refused{0}, lost{0};
+  } counters;
+
+  peer_state* peer(uint32_t rank) { return rank < peers.size() ? peers[rank].get() : nullptr; }
+
+  caf::error create_endpoint(lane& l, ucp_ep_h* ep, peer_state& p, const wire::bytes& addr,
+                             ucp_err_handling_mode_t mode);
+
+  void defer_failure(uint32_t rank, caf::error reason) {
+    {
+      std::lock_guard<std::mutex> g(queue_mtx);
+      deferred_failures.emplace_back(rank, std::move(reason));
+      ++failures_pending;
+    }
+    data.wake_if_sleeping();
+  }
 
   void notify_space() {
     if (space_waiters.load() > 0) {
@@ -142,52 +350,29 @@ struct transport::impl {
     }
   }
 
-  std::vector<std::pair<uint32_t, caf::error>> deferred_failures; // guarded by queue_mtx
-  std::atomic<int> failures_pending{0};
-  std::atomic<int64_t> pending_frames{0}; // over all peers' pending queues
-  std::vector<void*> closing; // endpoint close requests in flight
-  uint64_t heartbeat_seq = 0;
-  int64_t next_tick_ns = 0;
+  void reject(const caf::error& e) {
+    ++counters.rejected;
+    wire::note_reject(e, "transport");
+  }
 
-  struct {
-    std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bulk_sent{0}, bulk_received{0},
-      rejected{0}, refused{0}, lost{0};
-  } counters;
-
-  ~impl();
-
-  // -- setup -------------------------------------------------------------------
-  caf::error create_endpoint(peer_state& p, const wire::bytes& addr, bool control);
-
-  // -- progress thread ---------------------------------------------------------
-  void run();
+  // -- data lane -----------------------------------------------------------------
+  void run_data();
   bool drain_commands();
-  bool poll_incoming(uint64_t channel);
-  void receive_probed(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info, uint64_t channel);
-  void discard_probed(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
-  void advance_inbox(peer_state& p);
-  void on_frame_in(peer_state& p, recv_slot& s);
+  void flush_pending();
   void post_send(peer_state& p, command&& c);
+  bool poll_frames();
+  void accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
+  void discard(ucp_worker_h w, ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
+  void decode_frame_in(peer_state& p, recv_slot& s, const slot_ptr& owner);
+  void advance_inbox(peer_state& p);
+  void apply_failures();
+  void fail(uint32_t rank, const caf::error& reason);
+
+  // -- control lane --------------------------------------------------------------
+  void run_ctrl();
+  bool poll_heartbeats();
   void post_heartbeats();
   void check_liveness(int64_t now);
-  void tick(int64_t now);
-  void fail(uint32_t rank, caf::error reason);
-  void close_endpoint(ucp_ep_h& ep);
-  void reap_closing();
-  void sleep_until_event(int64_t now);
-  void shutdown_endpoints();
-
-  void defer_failure(uint32_t rank, caf::error reason) {
-    std::lock_guard<std::mutex> g(queue_mtx);
-    deferred_failures.emplace_back(rank, std::move(reason));
-    ++failures_pending;
-  }
-
-  void flush_pending();
-
-  peer_state* peer(uint32_t rank) {
-    return rank < peers.size() ? peers[rank].get() : nullptr;
-  }
 };
 
 // -- options -------------------------------------------------------------------
@@ -205,56 +390,11 @@ expected<transport_options> transport_options::from_env(transport_options d) {
   if (d.heartbeat_interval_ms <= 0 || d.heartbeat_timeout_ms <= d.heartbeat_interval_ms)
     return make_error(errc::invalid_argument,
                       "heartbeat timeout must exceed a positive heartbeat interval");
-  if (d.send_queue_max <= 0 || d.inflight_per_peer_max <= 0 || d.spin_us < 0 || d.send_block_ms < 0
-      || d.connect_timeout_ms <= 0)
+  if (d.send_queue_max <= 0 || d.inflight_per_peer_max <= 0 || d.spin_us < 0
+      || d.send_block_ms < 0 || d.connect_timeout_ms <= 0)
     return make_error(errc::invalid_argument, "transport bounds must be positive");
   return d;
 }
-
-// -- callbacks (run inside ucp_worker_progress) ----------------------------------
-
-namespace {
-
-void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status);
-
-void on_send_done(void* request, ucs_status_t status, void* user_data);
-
-void on_recv_done(void* request, ucs_status_t status, const ucp_tag_recv_info_t*,
-                  void* user_data) {
-  auto* ctx = static_cast<recv_ctx*>(user_data);
-  auto& s = *ctx->slot;
-  if (ctx->is_bulk) {
-    s.bulk_req = nullptr;
-    s.bulk_done = true;
-  } else {
-    s.frame_req = nullptr;
-    s.frame_done = true;
-  }
-  if (status != UCS_OK && !s.failed) {
-    s.failed = true;
-    s.error = ucx::status_error(status, ctx->is_bulk ? "bulk receive" : "frame receive");
-  }
-  if (request != nullptr)
-    ucp_request_free(request);
-  delete ctx;
-}
-
-/// Completes a nbx call: immediate success, immediate error, or a request
-/// whose callback will run later. Returns the request or nullptr.
-template <class OnNow>
-void* settle(ucs_status_ptr_t r, OnNow&& on_now) {
-  if (r == nullptr) {
-    on_now(UCS_OK);
-    return nullptr;
-  }
-  if (UCS_PTR_IS_ERR(r)) {
-    on_now(UCS_PTR_STATUS(r));
-    return nullptr;
-  }
-  return r;
-}
-
-} // namespace
 
 // -- transport -----------------------------------------------------------------
 
@@ -270,19 +410,10 @@ expected<std::unique_ptr<transport>> transport::create(uint32_t self, transport_
   std::unique_ptr<transport> t(new transport());
   t->impl_->self = self;
   t->impl_->opts = opts;
-  if (auto err = t->impl_->ucx.init("cmesh-" + std::to_string(self)))
+  if (auto err = t->impl_->data.init("cmesh-data-" + std::to_string(self)))
     return err;
-  t->impl_->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  t->impl_->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
-  if (t->impl_->wake_fd < 0 || t->impl_->epoll_fd < 0)
-    return make_error(errc::transport_failure, "eventfd/epoll_create failed");
-  for (int fd : {t->impl_->wake_fd, t->impl_->ucx.event_fd()}) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = fd;
-    if (epoll_ctl(t->impl_->epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0)
-      return make_error(errc::transport_failure, "epoll_ctl failed");
-  }
+  if (auto err = t->impl_->ctrl.init("cmesh-ctrl-" + std::to_string(self)))
+    return err;
   return t;
 }
 
@@ -295,8 +426,7 @@ const transport_options& transport::options() const {
 }
 
 wire::bytes transport::address() const {
-  const auto& a = impl_->ucx.address();
-  return wire::bytes(a.begin(), a.end());
+  return pack_addresses(impl_->data.ucx.address(), impl_->ctrl.ucx.address());
 }
 
 void transport::set_handlers(frame_handler on_frame, peer_down_handler on_down) {
@@ -312,22 +442,28 @@ caf::error transport::connect(const std::vector<wire::peer_entry>& entries) {
     max_rank = std::max(max_rank, e.rank);
   if (max_rank > src_bits_max)
     return make_error(errc::invalid_argument, "rank exceeds 2^20");
-  impl_->peers.resize(max_rank + 1);
+  auto& peers = impl_->peers;
+  peers.resize(max_rank + 1);
   for (uint32_t r = 0; r <= max_rank; ++r) {
-    if (!impl_->peers[r]) {
-      impl_->peers[r] = std::make_unique<peer_state>();
-      impl_->peers[r]->owner = impl_.get();
-      impl_->peers[r]->rank = r;
+    if (!peers[r]) {
+      peers[r] = std::make_unique<peer_state>();
+      peers[r]->owner = impl_.get();
+      peers[r]->rank = r;
     }
   }
   auto now = mono_ns();
   for (const auto& e : entries) {
     if (e.rank == impl_->self)
       continue;
-    auto& p = *impl_->peers[e.rank];
-    if (auto err = impl_->create_endpoint(p, e.ucx_address, true))
+    auto addrs = unpack_addresses(e.ucx_address);
+    if (!addrs)
+      return addrs.error();
+    auto& p = *peers[e.rank];
+    if (auto err = impl_->create_endpoint(impl_->data, &p.data, p, addrs->first,
+                                          UCP_ERR_HANDLING_MODE_NONE))
       return err;
-    if (auto err = impl_->create_endpoint(p, e.ucx_address, false))
+    if (auto err = impl_->create_endpoint(impl_->ctrl, &p.ctrl, p, addrs->second,
+                                          UCP_ERR_HANDLING_MODE_PEER))
       return err;
     p.connected = true;
     p.connected_ns = now;
@@ -339,8 +475,8 @@ caf::error transport::connect(const std::vector<wire::peer_entry>& entries) {
 caf::error transport::start() {
   if (impl_->running.exchange(true))
     return {};
-  impl_->next_tick_ns = mono_ns();
-  impl_->thread = std::thread([this] { impl_->run(); });
+  impl_->data.thread = std::thread([this] { impl_->run_data(); });
+  impl_->ctrl.thread = std::thread([this] { impl_->run_ctrl(); });
   return {};
 }
 
@@ -360,7 +496,7 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
       return impl_->queued.load() + impl_->pending_frames.load() >= impl_->opts.send_queue_max;
     };
     if (full()) {
-      // Backpressure: wait a bounded time for the progress thread to drain.
+      // Backpressure: wait a bounded time for the data lane to drain.
       ++impl_->space_waiters;
       impl_->space_cv.wait_for(g, std::chrono::milliseconds(impl_->opts.send_block_ms),
                                [&] { return !full() || impl_->stopped || !p->alive; });
@@ -376,10 +512,7 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
     impl_->queue.push_back(command{peer, std::move(frame), std::move(payload)});
     ++impl_->queued;
   }
-  if (impl_->sleeping.load()) {
-    uint64_t one = 1;
-    [[maybe_unused]] auto n = ::write(impl_->wake_fd, &one, sizeof(one));
-  }
+  impl_->data.wake_if_sleeping();
   return {};
 }
 
@@ -390,10 +523,6 @@ bool transport::peer_alive(uint32_t peer) const {
 
 void transport::fence(uint32_t peer, caf::error reason) {
   impl_->defer_failure(peer, std::move(reason));
-  if (impl_->sleeping.load()) {
-    uint64_t one = 1;
-    [[maybe_unused]] auto n = ::write(impl_->wake_fd, &one, sizeof(one));
-  }
 }
 
 transport_stats transport::stats() const {
@@ -414,28 +543,35 @@ void transport::begin_shutdown() {
 }
 
 void transport::stop() {
-  impl_->departing = true;
-  impl_->stopped = true;
   if (!impl_)
     return;
+  impl_->departing = true;
+  impl_->stopped = true;
   if (impl_->running.exchange(false)) {
-    uint64_t one = 1;
-    [[maybe_unused]] auto n = ::write(impl_->wake_fd, &one, sizeof(one));
-    if (impl_->thread.joinable())
-      impl_->thread.join();
+    for (lane* l : {&impl_->data, &impl_->ctrl}) {
+      l->wake();
+      if (l->thread.joinable())
+        l->thread.join();
+    }
   }
-  impl_->shutdown_endpoints();
+  // Both threads are gone: tear down from here.
+  for (auto& p : impl_->peers) {
+    if (!p)
+      continue;
+    p->alive = false;
+    for (auto& s : p->inbox)
+      for (void* r : {s->bulk_req, s->frame_req})
+        if (r != nullptr)
+          ucp_request_cancel(impl_->data.worker(), r);
+    p->inbox.clear();
+    impl_->data.close_endpoint(p->data);
+    impl_->ctrl.close_endpoint(p->ctrl);
+  }
+  impl_->data.drain(500);
+  impl_->ctrl.drain(500);
 }
 
-// -- impl: setup -----------------------------------------------------------------
-
-transport::impl::~impl() {
-  shutdown_endpoints();
-  if (wake_fd >= 0)
-    ::close(wake_fd);
-  if (epoll_fd >= 0)
-    ::close(epoll_fd);
-}
+// -- impl: endpoints -------------------------------------------------------------
 
 namespace {
 
@@ -448,64 +584,47 @@ void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
 
 } // namespace
 
-caf::error transport::impl::create_endpoint(peer_state& p, const wire::bytes& addr, bool control) {
+caf::error transport::impl::create_endpoint(lane& l, ucp_ep_h* out, peer_state& p,
+                                            const wire::bytes& addr, ucp_err_handling_mode_t mode) {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
                   | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
-  ep.err_mode = control ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  ep.err_mode = mode;
   ep.err_handler.cb = on_endpoint_error;
   ep.err_handler.arg = &p;
-  UCS_CHECK(ucp_ep_create(ucx.worker(), &ep, control ? &p.ctrl : &p.data));
+  UCS_CHECK(ucp_ep_create(l.worker(), &ep, out));
   return {};
 }
 
-// -- impl: progress loop -----------------------------------------------------------
+// -- impl: data lane -------------------------------------------------------------
 
-void transport::impl::run() {
+void transport::impl::run_data() {
   int64_t idle_since = mono_ns();
   while (running.load(std::memory_order_relaxed)) {
     bool activity = drain_commands();
-    while (ucp_worker_progress(ucx.worker()) != 0)
+    while (ucp_worker_progress(data.worker()) != 0)
       activity = true;
-    activity |= poll_incoming(ch_ctrl);
-    activity |= poll_incoming(ch_frame);
+    activity |= poll_frames();
     for (auto& p : peers)
       if (p && !p->inbox.empty())
         advance_inbox(*p);
-    auto now = mono_ns();
-    if (pending_frames > 0)
+    if (pending_frames.load(std::memory_order_relaxed) > 0)
       flush_pending();
-    if (failures_pending.load(std::memory_order_relaxed) > 0 || now >= next_tick_ns)
-      tick(now);
+    if (failures_pending.load(std::memory_order_relaxed) > 0)
+      apply_failures();
+    auto now = mono_ns();
     if (activity) {
       idle_since = now;
       continue;
     }
     if (now - idle_since < opts.spin_us * 1000)
       continue;
-    sleep_until_event(now);
+    data.reap_closing();
+    data.sleep(static_cast<int>(opts.heartbeat_interval_ms), [&] {
+      return queued.load() > 0 || failures_pending.load() > 0 || !running.load();
+    });
     idle_since = mono_ns();
-  }
-}
-
-void transport::impl::sleep_until_event(int64_t now) {
-  if (ucp_worker_arm(ucx.worker()) == UCS_ERR_BUSY)
-    return;
-  sleeping.store(true);
-  if (queued.load() > 0 || !running.load()) {
-    sleeping.store(false);
-    return;
-  }
-  int timeout_ms = static_cast<int>(std::max<int64_t>(0, (next_tick_ns - now) / 1000000) + 1);
-  epoll_event evs[2];
-  int n = epoll_wait(epoll_fd, evs, 2, timeout_ms);
-  sleeping.store(false);
-  for (int i = 0; i < n; ++i) {
-    if (evs[i].data.fd == wake_fd) {
-      uint64_t v;
-      [[maybe_unused]] auto r = ::read(wake_fd, &v, sizeof(v));
-    }
   }
 }
 
@@ -523,133 +642,87 @@ bool transport::impl::drain_commands() {
     auto* p = peer(c.peer);
     if (p == nullptr || !p->alive)
       continue;
-    if (p->inflight >= opts.inflight_per_peer_max || !p->pending.empty()) {
+    if (p->inflight.load() >= opts.inflight_per_peer_max || !p->pending.empty()) {
       p->pending.push_back(std::move(c));
       ++pending_frames;
-    } else
+    } else {
       post_send(*p, std::move(c));
+    }
   }
   return true;
 }
 
-namespace {
-
-void on_send_done(void* request, ucs_status_t, void* user_data) {
-  auto* ctx = static_cast<send_ctx*>(user_data);
-  if (ctx->counted) {
-    if (auto* p = ctx->owner->peer(ctx->peer)) {
-      --p->inflight;
+void transport::impl::flush_pending() {
+  for (auto& p : peers) {
+    if (!p)
+      continue;
+    while (!p->pending.empty() && p->inflight.load() < opts.inflight_per_peer_max) {
+      post_send(*p, std::move(p->pending.front()));
+      p->pending.pop_front();
+      --pending_frames;
     }
   }
-  if (request != nullptr)
-    ucp_request_free(request);
-  delete ctx;
+  notify_space();
 }
-
-void on_heartbeat_done(void* request, ucs_status_t, void* user_data) {
-  auto* ctx = static_cast<send_ctx*>(user_data);
-  if (auto* p = ctx->owner->peer(ctx->peer))
-    --p->heartbeats_inflight;
-  if (request != nullptr)
-    ucp_request_free(request);
-  delete ctx;
-}
-
-} // namespace
 
 void transport::impl::post_send(peer_state& p, command&& c) {
   const bool has_bulk = !c.payload.empty();
   const uint64_t seq = has_bulk ? (++p.next_bulk_seq & seq_mask) : 0;
-  auto send_one = [&](uint64_t channel, void* buf, size_t len, send_ctx* ctx) {
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    prm.cb.send = on_send_done;
-    prm.user_data = ctx;
-    ++p.inflight;
-    auto r = ucp_tag_send_nbx(p.data, buf, len, make_tag(channel, self, seq), &prm);
-    settle(r, [&](ucs_status_t) { on_send_done(nullptr, UCS_OK, ctx); });
-  };
-  auto* fctx = new send_ctx{this, p.rank, std::move(c.frame), {}, true};
-  send_one(ch_frame, fctx->frame.data(), fctx->frame.size(), fctx);
+  auto* fctx = new send_ctx{&p.inflight, std::move(c.frame), {}};
+  send_owned(p.data, make_tag(ch_frame, self, seq), fctx, fctx->frame.data(), fctx->frame.size());
   ++counters.frames_sent;
   if (has_bulk) {
-    auto* bctx = new send_ctx{this, p.rank, {}, std::move(c.payload), true};
+    auto* bctx = new send_ctx{&p.inflight, {}, std::move(c.payload)};
     counters.bulk_sent += bctx->payload.size();
-    send_one(ch_bulk, bctx->payload.data(), bctx->payload.size(), bctx);
+    send_owned(p.data, make_tag(ch_bulk, self, seq), bctx, bctx->payload.data(),
+               bctx->payload.size());
   }
 }
 
-bool transport::impl::poll_incoming(uint64_t channel) {
+bool transport::impl::poll_frames() {
   bool any = false;
-  // Bounded per pass so that sends and timers are never starved by a flood.
-  for (int i = 0; i < 256; ++i) {
+  // Bounded per pass so that sends are never starved by a flood.
+  for (int i = 0; i < probes_per_pass_max; ++i) {
     ucp_tag_recv_info_t info{};
-    auto* msg = ucp_tag_probe_nb(ucx.worker(), channel << ch_shift, ch_mask, 1, &info);
+    auto* msg = ucp_tag_probe_nb(data.worker(), ch_frame << ch_shift, ch_mask, 1, &info);
     if (msg == nullptr)
       break;
     any = true;
-    receive_probed(msg, info, channel);
+    accept_frame(msg, info);
   }
   return any;
 }
 
-void transport::impl::discard_probed(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info) {
+void transport::impl::discard(ucp_worker_h w, ucp_tag_message_h msg,
+                              const ucp_tag_recv_info_t& info) {
   auto slot = std::make_shared<recv_slot>();
   slot->bytes.resize(info.length);
-  ucp_request_param_t prm{};
-  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  prm.cb.recv = on_recv_done;
-  auto* ctx = new recv_ctx{slot, false};
-  prm.user_data = ctx;
-  auto r = ucp_tag_msg_recv_nbx(ucx.worker(), slot->bytes.data(), slot->bytes.size(), msg, &prm);
-  settle(r, [&](ucs_status_t st) { on_recv_done(nullptr, st, nullptr, ctx); });
+  receive_into(w, msg, slot);
 }
 
-void transport::impl::receive_probed(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info,
-                                     uint64_t channel) {
+void transport::impl::accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info) {
   const uint32_t from = tag_source(info.sender_tag);
   auto* p = peer(from);
   if (p == nullptr || !p->alive || from == self) {
     // A fenced or unknown sender: take the message off the queue and drop it.
-    discard_probed(msg, info);
+    discard(data.worker(), msg, info);
     return;
   }
-  p->heard = true;
-  p->last_heard_ns = mono_ns();
+  p->heard(mono_ns());
+  if (info.length > wire::header_bytes + 2 * wire::actor_name_max + wire::body_bytes_max) {
+    discard(data.worker(), msg, info);
+    reject(make_error(errc::malformed_frame, "oversized frame"));
+    return;
+  }
   auto slot = std::make_shared<recv_slot>();
   slot->from = from;
   slot->bulk_seq = info.sender_tag & seq_mask;
-  if (info.length > wire::header_bytes + 2 * wire::actor_name_max + wire::body_bytes_max) {
-    discard_probed(msg, info);
-    wire::note_reject(make_error(errc::malformed_frame, "oversized frame"), "transport");
-    ++counters.rejected;
-    return;
-  }
   slot->bytes.resize(info.length);
-  ucp_request_param_t prm{};
-  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  prm.cb.recv = on_recv_done;
-  auto* ctx = new recv_ctx{slot, false};
-  prm.user_data = ctx;
-  auto r = ucp_tag_msg_recv_nbx(ucx.worker(), slot->bytes.data(), slot->bytes.size(), msg, &prm);
-  slot->frame_req = settle(r, [&](ucs_status_t st) { on_recv_done(nullptr, st, nullptr, ctx); });
-  if (channel == ch_ctrl) {
-    // Heartbeats only prove liveness (recorded above); check and drop them.
-    if (slot->frame_done && !slot->failed) {
-      auto v = wire::decode_frame(slot->bytes);
-      if (!v || v->header.kind != wire::heartbeat::kind) {
-        ++counters.rejected;
-        wire::note_reject(v ? make_error(errc::malformed_frame, "non-heartbeat on control channel")
-                            : v.error(),
-                          "transport control");
-      }
-    }
-    return;
-  }
+  receive_into(data.worker(), msg, slot);
   p->inbox.push_back(std::move(slot));
 }
 
-void transport::impl::on_frame_in(peer_state& p, recv_slot& s) {
+void transport::impl::decode_frame_in(peer_state& p, recv_slot& s, const slot_ptr& owner) {
   auto v = wire::decode_frame(s.bytes);
   if (!v) {
     s.failed = true;
@@ -658,9 +731,9 @@ void transport::impl::on_frame_in(peer_state& p, recv_slot& s) {
   }
   if (v->header.src_process != p.rank) {
     s.failed = true;
-    s.error = make_error(errc::malformed_frame, "frame claims source " +
-                                                  std::to_string(v->header.src_process) +
-                                                  " but came from rank " + std::to_string(p.rank));
+    s.error = make_error(errc::malformed_frame,
+                         "frame claims source " + std::to_string(v->header.src_process)
+                           + " but came from rank " + std::to_string(p.rank));
     return;
   }
   if ((v->header.bulk_len != 0) != (s.bulk_seq != 0)) {
@@ -677,30 +750,24 @@ void transport::impl::on_frame_in(peer_state& p, recv_slot& s) {
   ucp_request_param_t prm{};
   prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   prm.cb.recv = on_recv_done;
-  // The callback's context keeps the slot alive even if the inbox drops it.
-  auto* ctx = new recv_ctx{nullptr, true};
-  for (auto& sp : p.inbox)
-    if (sp.get() == &s)
-      ctx->slot = sp;
-  CMESH_CHECK(ctx->slot != nullptr);
+  auto* ctx = new recv_ctx{owner, true};
   prm.user_data = ctx;
-  auto r = ucp_tag_recv_nbx(ucx.worker(), s.payload.data(), s.payload.size(),
+  auto r = ucp_tag_recv_nbx(data.worker(), s.payload.data(), s.payload.size(),
                             make_tag(ch_bulk, p.rank, s.bulk_seq), full_mask, &prm);
   s.bulk_req = settle(r, [&](ucs_status_t st) { on_recv_done(nullptr, st, nullptr, ctx); });
 }
 
 void transport::impl::advance_inbox(peer_state& p) {
   // Decode every arrived frame (so payload pulls start early), then deliver
-  // from the front in order.
+  // from the front, in order.
   for (auto& s : p.inbox)
     if (s->frame_done && !s->decoded && !s->failed)
-      on_frame_in(p, *s);
+      decode_frame_in(p, *s, s);
   while (!p.inbox.empty() && p.inbox.front()->ready()) {
     auto s = std::move(p.inbox.front());
     p.inbox.pop_front();
     if (s->failed) {
-      ++counters.rejected;
-      wire::note_reject(s->error, "transport");
+      reject(s->error);
       continue;
     }
     ++counters.frames_received;
@@ -717,9 +784,7 @@ void transport::impl::advance_inbox(peer_state& p) {
   }
 }
 
-// -- impl: heartbeats, liveness, failure -------------------------------------------
-
-void transport::impl::tick(int64_t now) {
+void transport::impl::apply_failures() {
   std::vector<std::pair<uint32_t, caf::error>> failures;
   {
     std::lock_guard<std::mutex> g(queue_mtx);
@@ -727,26 +792,79 @@ void transport::impl::tick(int64_t now) {
     failures_pending = 0;
   }
   for (auto& [rank, reason] : failures)
-    fail(rank, std::move(reason));
-  if (now < next_tick_ns)
-    return;
-  next_tick_ns = now + ms_to_ns(opts.heartbeat_interval_ms);
-  post_heartbeats();
-  check_liveness(now);
-  reap_closing();
+    fail(rank, reason);
 }
 
-void transport::impl::flush_pending() {
-  for (auto& p : peers) {
-    if (!p)
+void transport::impl::fail(uint32_t rank, const caf::error& reason) {
+  auto* p = peer(rank);
+  if (p == nullptr || !p->alive.exchange(false))
+    return;
+  ++counters.lost;
+  spdlog::log(departing ? spdlog::level::debug : spdlog::level::warn, "rank {}: lost rank {}: {}",
+              self, rank, describe(reason));
+  for (auto& s : p->inbox)
+    for (void* r : {s->bulk_req, s->frame_req})
+      if (r != nullptr)
+        ucp_request_cancel(data.worker(), r);
+  p->inbox.clear();
+  pending_frames -= static_cast<int64_t>(p->pending.size());
+  p->pending.clear();
+  notify_space();
+  data.close_endpoint(p->data);
+  ctrl.wake_if_sleeping(); // the control lane closes its endpoint
+  if (on_down)
+    on_down(rank, reason);
+}
+
+// -- impl: control lane ----------------------------------------------------------
+
+void transport::impl::run_ctrl() {
+  int64_t next_tick = mono_ns();
+  while (running.load(std::memory_order_relaxed)) {
+    while (ucp_worker_progress(ctrl.worker()) != 0) {
+    }
+    bool activity = poll_heartbeats();
+    for (auto& p : peers)
+      if (p && !p->alive && p->ctrl != nullptr)
+        ctrl.close_endpoint(p->ctrl);
+    auto now = mono_ns();
+    if (now >= next_tick) {
+      next_tick = now + ms_to_ns(opts.heartbeat_interval_ms);
+      post_heartbeats();
+      check_liveness(now);
+      ctrl.reap_closing();
+    }
+    if (activity)
       continue;
-    while (!p->pending.empty() && p->inflight < opts.inflight_per_peer_max) {
-      post_send(*p, std::move(p->pending.front()));
-      p->pending.pop_front();
-      --pending_frames;
+    ctrl.sleep(static_cast<int>((next_tick - now) / 1000000) + 1,
+               [&] { return !running.load(); });
+  }
+}
+
+bool transport::impl::poll_heartbeats() {
+  bool any = false;
+  for (int i = 0; i < probes_per_pass_max; ++i) {
+    ucp_tag_recv_info_t info{};
+    auto* msg = ucp_tag_probe_nb(ctrl.worker(), ch_ctrl << ch_shift, ch_mask, 1, &info);
+    if (msg == nullptr)
+      break;
+    any = true;
+    auto slot = std::make_shared<recv_slot>();
+    slot->bytes.resize(std::min<size_t>(info.length, 4096));
+    auto* p = peer(tag_source(info.sender_tag));
+    if (p != nullptr && p->alive && info.length <= 4096)
+      p->heard(mono_ns());
+    receive_into(ctrl.worker(), msg, slot);
+    // Heartbeats only prove liveness; a malformed one is still counted.
+    if (slot->frame_done && !slot->failed) {
+      auto v = wire::decode_frame(slot->bytes);
+      if (!v)
+        reject(v.error());
+      else if (v->header.kind != wire::heartbeat::kind)
+        reject(make_error(errc::malformed_frame, "non-heartbeat on the control channel"));
     }
   }
-  notify_space();
+  return any;
 }
 
 void transport::impl::post_heartbeats() {
@@ -754,18 +872,12 @@ void transport::impl::post_heartbeats() {
   h.src_process = self;
   wire::heartbeat hb{++heartbeat_seq, mono_ns()};
   for (auto& p : peers) {
-    if (!p || !p->alive || p->heartbeats_inflight >= heartbeats_inflight_max)
+    if (!p || !p->alive || p->ctrl == nullptr
+        || p->heartbeats_inflight.load() >= heartbeats_inflight_max)
       continue;
     h.dst_process = p->rank;
-    auto* ctx = new send_ctx{this, p->rank, wire::encode(h, hb), {}, false};
-    ucp_request_param_t prm{};
-    prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    prm.cb.send = on_heartbeat_done;
-    prm.user_data = ctx;
-    ++p->heartbeats_inflight;
-    auto r = ucp_tag_send_nbx(p->ctrl, ctx->frame.data(), ctx->frame.size(),
-                              make_tag(ch_ctrl, self, 0), &prm);
-    settle(r, [&](ucs_status_t) { on_heartbeat_done(nullptr, UCS_OK, ctx); });
+    auto* ctx = new send_ctx{&p->heartbeats_inflight, wire::encode(h, hb), {}};
+    send_owned(p->ctrl, make_tag(ch_ctrl, self, 0), ctx, ctx->frame.data(), ctx->frame.size());
   }
 }
 
@@ -773,88 +885,18 @@ void transport::impl::check_liveness(int64_t now) {
   for (auto& p : peers) {
     if (!p || !p->alive)
       continue;
-    if (p->heard && now - p->last_heard_ns > ms_to_ns(opts.heartbeat_timeout_ms)) {
-      fail(p->rank, make_error(errc::peer_unresponsive,
-                               "rank " + std::to_string(p->rank) + " silent for "
-                                 + std::to_string((now - p->last_heard_ns) / 1000000) + " ms"));
-    } else if (!p->heard && now - p->connected_ns > ms_to_ns(opts.connect_timeout_ms)) {
-      fail(p->rank, make_error(errc::peer_unresponsive,
-                               "rank " + std::to_string(p->rank) + " never answered within "
-                                 + std::to_string(opts.connect_timeout_ms) + " ms"));
+    auto last = p->last_heard_ns.load(std::memory_order_relaxed);
+    if (last != 0 && now - last > ms_to_ns(opts.heartbeat_timeout_ms)) {
+      defer_failure(p->rank, make_error(errc::peer_unresponsive,
+                                        "rank " + std::to_string(p->rank) + " silent for "
+                                          + std::to_string((now - last) / 1000000) + " ms"));
+    } else if (last == 0 && now - p->connected_ns > ms_to_ns(opts.connect_timeout_ms)) {
+      defer_failure(p->rank, make_error(errc::peer_unresponsive,
+                                        "rank " + std::to_string(p->rank)
+                                          + " never answered within "
+                                          + std::to_string(opts.connect_timeout_ms) + " ms"));
     }
   }
-}
-
-void transport::impl::fail(uint32_t rank, caf::error reason) {
-  auto* p = peer(rank);
-  if (p == nullptr || !p->alive.exchange(false))
-    return;
-  ++counters.lost;
-  spdlog::log(departing ? spdlog::level::debug : spdlog::level::warn, "rank {}: lost rank {}: {}",
-              self, rank, describe(reason));
-  for (auto& s : p->inbox) {
-    if (s->bulk_req != nullptr)
-      ucp_request_cancel(ucx.worker(), s->bulk_req);
-    if (s->frame_req != nullptr)
-      ucp_request_cancel(ucx.worker(), s->frame_req);
-  }
-  p->inbox.clear();
-  pending_frames -= static_cast<int64_t>(p->pending.size());
-  p->pending.clear();
-  notify_space();
-  close_endpoint(p->data);
-  close_endpoint(p->ctrl);
-  if (on_down)
-    on_down(rank, reason);
-}
-
-void transport::impl::close_endpoint(ucp_ep_h& ep) {
-  if (ep == nullptr)
-    return;
-  ucp_request_param_t prm{};
-  prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  auto r = ucp_ep_close_nbx(ep, &prm);
-  ep = nullptr;
-  if (r != nullptr && !UCS_PTR_IS_ERR(r))
-    closing.push_back(r);
-}
-
-void transport::impl::reap_closing() {
-  std::erase_if(closing, [](void* r) {
-    if (ucp_request_check_status(r) == UCS_INPROGRESS)
-      return false;
-    ucp_request_free(r);
-    return true;
-  });
-}
-
-void transport::impl::shutdown_endpoints() {
-  if (ucx.worker() == nullptr)
-    return;
-  for (auto& p : peers) {
-    if (!p)
-      continue;
-    p->alive = false;
-    for (auto& s : p->inbox) {
-      if (s->bulk_req != nullptr)
-        ucp_request_cancel(ucx.worker(), s->bulk_req);
-      if (s->frame_req != nullptr)
-        ucp_request_cancel(ucx.worker(), s->frame_req);
-    }
-    p->inbox.clear();
-    close_endpoint(p->data);
-    close_endpoint(p->ctrl);
-  }
-  // Bounded: a dead peer may never let a close finish.
-  auto deadline = mono_ns() + ms_to_ns(500);
-  while (!closing.empty() && mono_ns() < deadline) {
-    ucp_worker_progress(ucx.worker());
-    reap_closing();
-  }
-  for (int i = 0; i < 1000; ++i)
-    if (ucp_worker_progress(ucx.worker()) == 0)
-      break;
 }
 
 } // namespace cmesh

@@ -1,10 +1,14 @@
-// The per-process transport: one UCP worker driven by its own progress
-// thread, two endpoints per peer and failure detection.
+// The per-process transport: two endpoints per peer, each on its own UCP
+// worker and progress thread, and failure detection.
 //
-// Endpoints. Each peer gets a control endpoint in PEER error mode (UCX picks
-// TCP: a dead peer is reported in milliseconds) that carries heartbeats, and
-// a data endpoint in NONE error mode (shared memory and CMA: full speed) that
-// carries frames and bulk payloads. Both have an error callback.
+// Two lanes. The data lane (one UCP worker and its progress thread) carries
+// frames and bulk payloads over data endpoints in NONE error mode: UCX picks
+// shared memory and CMA, full speed. The control lane (a second worker and
+// thread) carries heartbeats over control endpoints in PEER error mode: UCX
+// picks TCP, and a dead peer is reported in milliseconds. Keeping them apart
+// means a long copy on the data lane (a 256 MiB CMA pull) never delays a
+// heartbeat, so silence really means a stopped process. The address in the
+// peer table holds both workers' addresses.
 //
 // Tags. bits 63..60 channel, 59..40 source rank, 39..0 bulk sequence. A frame
 // that carries a bulk payload has that payload's sequence in its own tag, and
@@ -18,7 +22,7 @@
 // dropped and sends to it fail at once. The peer-down handler runs once.
 //
 // Threads. send(), peer_alive() and stats() may be called from any thread.
-// The handlers run on the progress thread and must not block.
+// The handlers run on the data lane's thread and must not block.
 #pragma once
 
 #include "core/error.hpp"
@@ -36,8 +40,9 @@ namespace cmesh {
 
 struct transport_options {
   int64_t heartbeat_interval_ms = 100;
-  /// Silence longer than this marks a peer unresponsive (CMESH_HEARTBEAT_TIMEOUT_MS).
-  int64_t heartbeat_timeout_ms = 1000;
+  /// Silence longer than this marks a peer unresponsive (CMESH_HEARTBEAT_TIMEOUT_MS);
+  /// detection takes at most this plus one interval: 900 ms by default.
+  int64_t heartbeat_timeout_ms = 800;
   /// A peer never heard from is given this long before it counts as lost.
   int64_t connect_timeout_ms = 10000;
   /// Frames waiting for the progress thread, over all peers.
