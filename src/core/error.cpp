@@ -22,6 +22,7 @@ std::string_view to_string(errc x) {
     case errc::transport_failure: return "transport_failure";
     case errc::stale_epoch: return "stale_epoch";
     case errc::poisoned: return "poisoned";
+    case errc::overflow: return "overflow";
   }
   return "unknown_error";
 }

@@ -31,6 +31,7 @@ enum class errc : uint8_t {
   transport_failure = 13, // a UCX call failed
   stale_epoch = 14,       // a message from an epoch that is over
   poisoned = 15,          // a communicator after an error, until rebuilt
+  overflow = 16,          // an exact-mode sum that would not fit
 };
 
 /// CAF error category of every cmesh error.

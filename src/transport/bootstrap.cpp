@@ -1,10 +1,15 @@
 // Bootstrap over TCP with Boost.Asio.
 //
-// The coordinator owns one I/O thread and keeps all connection state on it;
-// only what callers' threads query (ranks, reports, the event callback) sits
-// behind a mutex. The client is synchronous: it drives a private io_context
-// with run_one_for so that every wait has a deadline, and an operation that
-// outlives a deadline stays armed, so the next call picks up where it left.
+// The coordinator owns one I/O thread and keeps all connection state on it
+// (waiting kv_gets included); only what callers' threads query (ranks,
+// reports, the KV map, the event callback) sits behind a mutex.
+//
+// The client connects synchronously, driving its private io_context with
+// run_one_for so that every wait has a deadline. Once connected, it hands
+// the io_context to its own I/O thread: that thread owns the socket, reads
+// every frame and files it into mutex-guarded state (condition variable),
+// and writes the frames callers queue. Callers only ever wait on the
+// condition variable, with a deadline.
 #include "transport/bootstrap.hpp"
 
 #include "transport/wire.hpp"
@@ -12,6 +17,7 @@
 #include <boost/asio.hpp>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <condition_variable>
@@ -19,6 +25,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <string_view>
 #include <thread>
 #include <variant>
@@ -50,6 +57,18 @@ constexpr auto client_write_timeout = 10s;
 constexpr auto connect_retry_interval = 50ms;
 /// Bound on draining an operation that was just cancelled.
 constexpr auto cancel_drain = 1s;
+/// How long kv_get waits for the coordinator's answer beyond the wait it asked
+/// the coordinator for (the coordinator answers "not found" when that passes).
+constexpr auto kv_answer_margin = 2s;
+/// Peer tables and rejections kept for register_and_wait (later tables only
+/// replace latest_table()).
+constexpr size_t client_answers_max = 16;
+
+/// now + timeout, clamped so that no caller's timeout overflows the clock.
+clock_type::time_point deadline_after(std::chrono::milliseconds timeout) {
+  constexpr std::chrono::milliseconds far = std::chrono::hours(24 * 365);
+  return clock_type::now() + std::clamp(timeout, std::chrono::milliseconds(0), far);
+}
 
 using packet = std::vector<uint8_t>;
 
@@ -135,6 +154,10 @@ expected<host_port> parse_host_port(const std::string& text) {
 // -- coordinator ---------------------------------------------------------------
 
 struct coordinator::impl {
+  struct parked_get;
+  using parked_ptr = std::shared_ptr<parked_get>;
+  using parked_map = std::multimap<std::string, parked_ptr>; // by key
+
   struct connection {
     explicit connection(tcp::socket s)
       : sock(std::move(s)), linger(sock.get_executor()), peer(endpoint_text(sock)) {}
@@ -145,10 +168,22 @@ struct coordinator::impl {
     std::vector<uint8_t> frame;
     std::deque<packet> out; // front is being written; deque keeps it in place
     std::optional<uint32_t> rank;
+    std::set<parked_ptr> parked; // its kv_gets waiting for a key
     bool closing = false; // stop(): close once `out` drains
     bool closed = false;
   };
   using conn_ptr = std::shared_ptr<connection>;
+
+  /// A kv_get waiting for its key to be put, or for its timer. Owned by
+  /// `waiting` and its connection's `parked` until finished.
+  struct parked_get {
+    explicit parked_get(asio::io_context& io) : timer(io) {}
+    conn_ptr conn; // null once finished
+    uint64_t request_id = 0;
+    std::string key;
+    asio::steady_timer timer;
+    parked_map::iterator at; // its entry in `waiting`
+  };
 
   struct rank_state {
     wire::peer_entry entry;
@@ -168,6 +203,7 @@ struct coordinator::impl {
 
   // I/O thread only.
   std::set<conn_ptr> conns;
+  parked_map waiting;
   bool stopping = false;
   bool table_sent = false;
   uint64_t epoch = 0;
@@ -179,6 +215,12 @@ struct coordinator::impl {
   std::deque<wire::report> reports;
   uint64_t first_report_seq = 0; // arrival number of reports.front()
   std::function<void(const worker_event&)> on_event;
+
+  // The KV store, shared with callers' threads (kv_peek, kv_drop_prefix).
+  mutable std::mutex kv_mu;
+  std::map<std::string, wire::bytes> kv; // ordered: prefixes are ranges
+  std::atomic<uint64_t> kv_dropped{0};
+  std::atomic<size_t> kv_parked{0}; // waiting.size(), for callers' threads
 
   caf::error start();
   caf::error bind(tcp::endpoint ep);
@@ -200,6 +242,13 @@ struct coordinator::impl {
   void on_report(const conn_ptr& c, const wire::report& r);
   void on_disconnect(const conn_ptr& c);
   void emit(const worker_event& ev);
+
+  void on_kv_put(const conn_ptr& c, wire::kv_put m);
+  void on_kv_get(const conn_ptr& c, wire::kv_get m);
+  void drop_prefix(const std::string& prefix);
+  void park(const conn_ptr& c, const wire::kv_get& m, int64_t wait_ms);
+  conn_ptr finish(parked_ptr p); // by value: callers pass map and set elements
+  void cancel_parked(const conn_ptr& c);
 
   template <class T>
   void send(const conn_ptr& c, const T& msg, uint64_t frame_epoch = 0) {
@@ -279,6 +328,9 @@ void coordinator::impl::shut_down() {
   error_code ignored;
   acceptor.close(ignored);
   accept_retry.cancel();
+  // Waiting kv_gets end without an answer: their connections close below.
+  while (!waiting.empty())
+    finish(waiting.begin()->second);
   // Once every operation completes, ioc.run() returns and the thread ends.
   for (auto& c : std::vector<conn_ptr>(conns.begin(), conns.end()))
     close_after_flush(c);
@@ -367,6 +419,27 @@ caf::error coordinator::impl::dispatch(const conn_ptr& c, const wire::frame_view
       if (!m)
         return m.error();
       on_report(c, *m);
+      return {};
+    }
+    case wire::kv_put::kind: {
+      auto m = wire::decode_body<wire::kv_put>(v.body);
+      if (!m)
+        return m.error();
+      on_kv_put(c, std::move(*m));
+      return {};
+    }
+    case wire::kv_get::kind: {
+      auto m = wire::decode_body<wire::kv_get>(v.body);
+      if (!m)
+        return m.error();
+      on_kv_get(c, std::move(*m));
+      return {};
+    }
+    case wire::kv_drop::kind: {
+      auto m = wire::decode_body<wire::kv_drop>(v.body);
+      if (!m)
+        return m.error();
+      drop_prefix(m->prefix);
       return {};
     }
     default: {
@@ -506,6 +579,102 @@ void coordinator::impl::emit(const worker_event& ev) {
   }
 }
 
+// -- the KV store (I/O thread, except what kv_mu guards) -------------------------
+
+void coordinator::impl::on_kv_put(const conn_ptr& c, wire::kv_put m) {
+  std::string problem;
+  {
+    std::lock_guard lk(kv_mu);
+    if (m.value.size() > opts.kv_value_bytes_max)
+      problem = "value of " + std::to_string(m.value.size()) + " bytes exceeds the limit of "
+                + std::to_string(opts.kv_value_bytes_max);
+    else if (kv.size() >= opts.kv_keys_max && !kv.contains(m.key))
+      problem = "the store is full (" + std::to_string(opts.kv_keys_max) + " keys)";
+    else
+      kv.insert_or_assign(m.key, m.value);
+  }
+  if (!problem.empty()) {
+    // Log the first few and then every power of two: a flood cannot drown the log.
+    auto n = ++kv_dropped;
+    if (n <= 10 || (n & (n - 1)) == 0)
+      spdlog::warn("coordinator: dropped kv_put of \"{}\" from {} ({} dropped so far): {}",
+                   m.key, c->peer, n, problem);
+    return;
+  }
+  // Answer every kv_get waiting for this key. finish() before send(): a send
+  // may close a connection, which finishes that connection's other gets.
+  auto [first, last] = waiting.equal_range(m.key);
+  std::vector<parked_ptr> ready;
+  for (auto it = first; it != last; ++it)
+    ready.push_back(it->second);
+  for (auto& p : ready)
+    if (auto to = finish(p))
+      send(to, wire::kv_value{p->request_id, m.key, true, m.value});
+}
+
+void coordinator::impl::on_kv_get(const conn_ptr& c, wire::kv_get m) {
+  auto wait_ms = std::clamp<int64_t>(m.wait_ms, 0, kv_wait_ms_max);
+  std::optional<wire::bytes> value;
+  {
+    std::lock_guard lk(kv_mu);
+    if (auto it = kv.find(m.key); it != kv.end())
+      value = it->second;
+  }
+  if (value)
+    return send(c, wire::kv_value{m.request_id, std::move(m.key), true, std::move(*value)});
+  if (wait_ms > 0 && c->parked.size() < opts.kv_waits_max)
+    return park(c, m, wait_ms);
+  if (wait_ms > 0)
+    spdlog::debug("coordinator: {} has {} kv_gets waiting; \"{}\" is answered at once",
+                  c->peer, c->parked.size(), m.key);
+  send(c, wire::kv_value{m.request_id, std::move(m.key), false, {}});
+}
+
+void coordinator::impl::park(const conn_ptr& c, const wire::kv_get& m, int64_t wait_ms) {
+  auto p = std::make_shared<parked_get>(ioc);
+  p->conn = c;
+  p->request_id = m.request_id;
+  p->key = m.key;
+  p->at = waiting.emplace(m.key, p);
+  c->parked.insert(p);
+  kv_parked = waiting.size();
+  p->timer.expires_after(std::chrono::milliseconds(wait_ms));
+  p->timer.async_wait([this, p](const error_code& ec) {
+    // A timer cancelled after it expired still runs with success: the
+    // get is finished then, and finish() says so.
+    if (ec)
+      return;
+    if (auto to = finish(p))
+      send(to, wire::kv_value{p->request_id, p->key, false, {}});
+  });
+}
+
+/// Takes a waiting get out of every index; its connection, or null when it
+/// was finished already.
+auto coordinator::impl::finish(parked_ptr p) -> conn_ptr {
+  if (!p->conn)
+    return nullptr;
+  auto c = std::move(p->conn);
+  p->conn = nullptr;
+  waiting.erase(p->at);
+  kv_parked = waiting.size();
+  c->parked.erase(p);
+  p->timer.cancel();
+  return c;
+}
+
+void coordinator::impl::cancel_parked(const conn_ptr& c) {
+  while (!c->parked.empty())
+    finish(*c->parked.begin());
+}
+
+void coordinator::impl::drop_prefix(const std::string& prefix) {
+  std::lock_guard lk(kv_mu);
+  auto it = kv.lower_bound(prefix);
+  while (it != kv.end() && it->first.starts_with(prefix))
+    it = kv.erase(it);
+}
+
 void coordinator::impl::send_packet(const conn_ptr& c, packet p) {
   if (c->closed)
     return;
@@ -558,6 +727,7 @@ void coordinator::impl::close(const conn_ptr& c) {
   c->sock.shutdown(tcp::socket::shutdown_both, ignored);
   c->sock.close(ignored);
   c->linger.cancel();
+  cancel_parked(c);
   conns.erase(c);
   if (c->rank)
     on_disconnect(c);
@@ -635,6 +805,31 @@ void coordinator::on_event(std::function<void(const worker_event&)> f) {
   impl_->on_event = std::move(f);
 }
 
+void coordinator::kv_drop_prefix(const std::string& prefix) {
+  impl_->drop_prefix(prefix);
+}
+
+std::optional<wire::bytes> coordinator::kv_peek(const std::string& key) const {
+  std::lock_guard lk(impl_->kv_mu);
+  auto it = impl_->kv.find(key);
+  if (it == impl_->kv.end())
+    return std::nullopt;
+  return it->second;
+}
+
+size_t coordinator::kv_size() const {
+  std::lock_guard lk(impl_->kv_mu);
+  return impl_->kv.size();
+}
+
+uint64_t coordinator::kv_puts_dropped() const {
+  return impl_->kv_dropped.load();
+}
+
+size_t coordinator::kv_waiting() const {
+  return impl_->kv_parked.load();
+}
+
 void coordinator::stop() {
   auto& s = *impl_;
   if (!s.thread.joinable())
@@ -651,25 +846,24 @@ void coordinator::stop() {
 // -- coordinator_client --------------------------------------------------------
 
 struct coordinator_client::impl {
-  /// What a worker can receive; monostate: a kind it has no use for.
-  using inbound = std::variant<std::monostate, wire::peer_table, wire::rejected, wire::shutdown>;
+  /// One frame a caller queued; `done` and `ec` are guarded by `mu`.
+  struct write_op {
+    packet bytes;
+    bool done = false;
+    error_code ec;
+  };
+  using write_ptr = std::shared_ptr<write_op>;
+  using answer = std::variant<wire::peer_table, wire::rejected>;
+
+  ~impl();
 
   // Declared first so it is destroyed last: the socket must go before it.
   asio::io_context ioc;
   tcp::socket sock{ioc};
-  std::string where; // "host:port" for messages
-  uint32_t rank = wire::no_process;
+  std::string where;                         // "host:port", set by connect()
+  std::atomic<uint32_t> rank{wire::no_process}; // src of our frames
 
-  std::array<uint8_t, length_bytes> length{};
-  std::vector<uint8_t> frame;
-  bool reading = false;
-  std::deque<std::vector<uint8_t>> inbox; // whole frames, not yet looked at
-  packet out;
-  caf::error failure; // set once the connection is unusable
-
-  std::optional<wire::peer_table> table;       // the latest one
-  std::optional<wire::shutdown> shutdown_seen; // kept for wait_shutdown()
-
+  // Connecting (caller's thread, before the I/O thread exists).
   template <class Pred>
   bool run_until(Pred done, clock_type::time_point deadline);
   caf::error connect(const host_port& hp, clock_type::time_point deadline);
@@ -677,18 +871,51 @@ struct coordinator_client::impl {
                      std::vector<tcp::endpoint>& out);
   error_code try_connect(const std::vector<tcp::endpoint>& eps, clock_type::time_point deadline);
 
-  caf::error send(packet p);
-  void arm_read();
-  void on_length(const error_code& ec);
-  void on_frame(const error_code& ec);
+  // The I/O thread and what only it touches.
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
+  std::thread io;
+  std::array<uint8_t, length_bytes> length{};
+  std::vector<uint8_t> frame;
+  std::deque<write_ptr> writes; // front is being written
+  bool broken = false;          // the socket is closed
+
+  void start_io();
+  void run_io();
+  void read_length();
+  caf::error deliver(std::span<const uint8_t> bytes);
+  void start_write(const write_ptr& op);
+  void write_next();
+  void complete(const write_ptr& op, const error_code& ec);
   void fail(caf::error e);
   void fail_io(const error_code& ec);
-  expected<std::vector<uint8_t>> next_frame(clock_type::time_point deadline);
-  expected<inbound> next_message(clock_type::time_point deadline);
+
+  // Shared between the I/O thread and callers.
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  caf::error failure;                          // set once the connection is unusable
+  std::deque<answer> answers;                  // for register_and_wait, oldest first
+  std::optional<wire::peer_table> table;       // the latest one
+  std::optional<wire::shutdown> shutdown_seen; // kept for wait_shutdown()
+  uint64_t next_request = 1;
+  std::map<uint64_t, std::optional<wire::kv_value>> kv_waiters; // by request id
+
+  // Callers' threads.
+  caf::error send(packet p);
   caf::error explain(caf::error e, const char* awaited, std::chrono::milliseconds timeout) const;
+  expected<wire::bytes> kv_get(const std::string& key, std::chrono::milliseconds timeout);
 };
 
+coordinator_client::impl::~impl() {
+  if (!io.joinable())
+    return;
+  work.reset();
+  ioc.stop();
+  io.join();
+  // Handlers still queued are destroyed with the io_context; none runs.
+}
+
 /// Runs handlers until `done()` or the deadline; false on the deadline.
+/// Only while connecting: afterwards the I/O thread runs `ioc`.
 template <class Pred>
 bool coordinator_client::impl::run_until(Pred done, clock_type::time_point deadline) {
   while (!done()) {
@@ -769,66 +996,153 @@ error_code coordinator_client::impl::try_connect(const std::vector<tcp::endpoint
   return asio::error::timed_out;
 }
 
-caf::error coordinator_client::impl::send(packet p) {
-  if (failure)
-    return failure;
-  out = std::move(p);
-  auto st = std::make_shared<op_state>();
-  asio::async_write(sock, asio::buffer(out), [st](const error_code& ec, size_t) {
-    st->ec = ec;
-    st->done = true;
+// -- the client's I/O thread ---------------------------------------------------
+
+void coordinator_client::impl::start_io() {
+  work.emplace(ioc.get_executor());
+  ioc.restart(); // run_one_for may have left it stopped
+  asio::post(ioc, [this] { read_length(); });
+  io = std::thread([this] { run_io(); });
+}
+
+void coordinator_client::impl::run_io() {
+  // Handlers do not throw; should one, the connection is unusable (a half
+  // handled frame), so fail it rather than take the process down.
+  for (;;) {
+    try {
+      ioc.run();
+      return;
+    } catch (const std::exception& e) {
+      spdlog::error("coordinator client: I/O handler threw: {}", e.what());
+      fail(make_error(errc::closed, std::string("internal error: ") + e.what()));
+    } catch (...) {
+      spdlog::error("coordinator client: I/O handler threw an unknown exception");
+      fail(make_error(errc::closed, "internal error"));
+    }
+  }
+}
+
+void coordinator_client::impl::read_length() {
+  asio::async_read(sock, asio::buffer(length), [this](const error_code& ec, size_t) {
+    if (ec)
+      return fail_io(ec);
+    size_t n = decode_length(length);
+    if (n > client_frame_bytes_max) {
+      auto err = oversized_frame(n, client_frame_bytes_max);
+      wire::note_reject(err, "coordinator");
+      return fail(err);
+    }
+    frame.resize(n);
+    asio::async_read(sock, asio::buffer(frame), [this](const error_code& e, size_t) {
+      if (e)
+        return fail_io(e);
+      if (auto err = deliver(frame)) {
+        // The stream cannot be trusted past a bad frame.
+        wire::note_reject(err, "coordinator");
+        return fail(err);
+      }
+      read_length();
+    });
   });
-  if (!run_until([&] { return st->done; }, clock_type::now() + client_write_timeout)) {
-    // Half a frame may be on the wire: the stream is unusable from here on.
-    fail(make_error(errc::closed, "a write to the coordinator at " + where + " timed out"));
-    run_until([&] { return st->done; }, clock_type::now() + cancel_drain);
-    return make_error(errc::timeout, "cannot write to the coordinator at " + where);
+}
+
+/// Files one frame where its waiter finds it.
+caf::error coordinator_client::impl::deliver(std::span<const uint8_t> bytes) {
+  auto v = wire::decode_frame(bytes);
+  if (!v)
+    return v.error();
+  switch (v->header.kind) {
+    case wire::peer_table::kind: {
+      auto m = wire::decode_body<wire::peer_table>(v->body);
+      if (!m)
+        return m.error();
+      std::lock_guard lk(mu);
+      table = *m;
+      answers.emplace_back(std::move(*m));
+      if (answers.size() > client_answers_max)
+        answers.pop_front();
+      break;
+    }
+    case wire::rejected::kind: {
+      auto m = wire::decode_body<wire::rejected>(v->body);
+      if (!m)
+        return m.error();
+      std::lock_guard lk(mu);
+      answers.emplace_back(std::move(*m));
+      if (answers.size() > client_answers_max)
+        answers.pop_front();
+      break;
+    }
+    case wire::shutdown::kind: {
+      auto m = wire::decode_body<wire::shutdown>(v->body);
+      if (!m)
+        return m.error();
+      std::lock_guard lk(mu);
+      shutdown_seen = std::move(*m);
+      break;
+    }
+    case wire::kv_value::kind: {
+      auto m = wire::decode_body<wire::kv_value>(v->body);
+      if (!m)
+        return m.error();
+      std::lock_guard lk(mu);
+      // No waiter: it gave up before the answer came; drop it.
+      if (auto it = kv_waiters.find(m->request_id); it != kv_waiters.end() && !it->second)
+        it->second = std::move(*m);
+      break;
+    }
+    default:
+      return {}; // a kind a client has no use for
   }
-  if (st->ec) {
-    fail_io(st->ec);
-    return failure;
-  }
+  cv.notify_all();
   return {};
 }
 
-void coordinator_client::impl::arm_read() {
-  if (reading || failure)
-    return;
-  reading = true;
-  asio::async_read(sock, asio::buffer(length),
-                   [this](const error_code& ec, size_t) { on_length(ec); });
+void coordinator_client::impl::start_write(const write_ptr& op) {
+  if (broken)
+    return complete(op, asio::error::not_connected);
+  writes.push_back(op);
+  if (writes.size() == 1)
+    write_next();
 }
 
-void coordinator_client::impl::on_length(const error_code& ec) {
-  if (ec) {
-    reading = false;
-    return fail_io(ec);
-  }
-  size_t n = decode_length(length);
-  if (n > client_frame_bytes_max) {
-    reading = false;
-    auto err = oversized_frame(n, client_frame_bytes_max);
-    wire::note_reject(err, "coordinator");
-    return fail(err);
-  }
-  frame.resize(n);
-  asio::async_read(sock, asio::buffer(frame),
-                   [this](const error_code& e, size_t) { on_frame(e); });
+void coordinator_client::impl::write_next() {
+  asio::async_write(sock, asio::buffer(writes.front()->bytes), [this](const error_code& ec, size_t) {
+    if (ec) {
+      // The frame may be half on the wire: nothing queued can follow it.
+      auto failed = std::move(writes);
+      writes.clear();
+      for (auto& op : failed)
+        complete(op, ec);
+      return fail_io(ec);
+    }
+    auto op = std::move(writes.front());
+    writes.pop_front();
+    complete(op, {});
+    if (!writes.empty())
+      write_next();
+  });
 }
 
-void coordinator_client::impl::on_frame(const error_code& ec) {
-  reading = false;
-  if (ec)
-    return fail_io(ec);
-  inbox.push_back(std::move(frame));
-  frame = {};
+void coordinator_client::impl::complete(const write_ptr& op, const error_code& ec) {
+  {
+    std::lock_guard lk(mu);
+    op->done = true;
+    op->ec = ec;
+  }
+  cv.notify_all();
 }
 
 void coordinator_client::impl::fail(caf::error e) {
-  if (!failure)
-    failure = std::move(e);
+  {
+    std::lock_guard lk(mu);
+    if (!failure)
+      failure = std::move(e);
+  }
+  cv.notify_all();
+  broken = true;
   error_code ignored;
-  sock.close(ignored);
+  sock.close(ignored); // pending reads and writes complete with operation_aborted
 }
 
 void coordinator_client::impl::fail_io(const error_code& ec) {
@@ -839,61 +1153,35 @@ void coordinator_client::impl::fail_io(const error_code& ec) {
                                     + ec.message()));
 }
 
-expected<std::vector<uint8_t>> coordinator_client::impl::next_frame(clock_type::time_point deadline) {
-  if (inbox.empty() && !failure) {
-    arm_read();
-    run_until([&] { return !inbox.empty() || failure; }, deadline);
+// -- callers' side -------------------------------------------------------------
+
+/// Queues a frame and waits until it is written.
+caf::error coordinator_client::impl::send(packet p) {
+  {
+    std::lock_guard lk(mu);
+    if (failure)
+      return failure;
   }
-  // Frames that arrived before a failure are still delivered first.
-  if (!inbox.empty()) {
-    auto f = std::move(inbox.front());
-    inbox.pop_front();
-    return f;
+  auto op = std::make_shared<write_op>();
+  op->bytes = std::move(p);
+  asio::post(ioc, [this, op] { start_write(op); });
+  std::unique_lock lk(mu);
+  if (!cv.wait_until(lk, clock_type::now() + client_write_timeout, [&] { return op->done; })) {
+    lk.unlock();
+    // Half a frame may be on the wire: the stream is unusable from here on.
+    auto why = make_error(errc::closed, "a write to the coordinator at " + where + " timed out");
+    asio::post(ioc, [this, why] { fail(why); });
+    return make_error(errc::timeout, "cannot write to the coordinator at " + where);
   }
+  if (!op->ec)
+    return {};
   if (failure)
     return failure;
-  return make_error(errc::timeout);
+  return make_error(errc::closed, "cannot write to the coordinator at " + where + ": "
+                                    + op->ec.message());
 }
 
-namespace {
-
-template <class T, class Variant>
-expected<Variant> body_as(const wire::frame_view& v) {
-  auto m = wire::decode_body<T>(v.body);
-  if (!m)
-    return m.error();
-  return Variant{std::move(*m)};
-}
-
-} // namespace
-
-auto coordinator_client::impl::next_message(clock_type::time_point deadline) -> expected<inbound> {
-  auto bytes = next_frame(deadline);
-  if (!bytes)
-    return bytes.error();
-  auto v = wire::decode_frame(*bytes);
-  expected<inbound> msg = inbound{};
-  if (!v)
-    msg = v.error();
-  else if (v->header.kind == wire::peer_table::kind)
-    msg = body_as<wire::peer_table, inbound>(*v);
-  else if (v->header.kind == wire::rejected::kind)
-    msg = body_as<wire::rejected, inbound>(*v);
-  else if (v->header.kind == wire::shutdown::kind)
-    msg = body_as<wire::shutdown, inbound>(*v);
-  if (!msg) {
-    wire::note_reject(msg.error(), "coordinator");
-    fail(msg.error());
-    return msg;
-  }
-  if (auto* t = std::get_if<wire::peer_table>(&*msg))
-    table = *t;
-  if (auto* s = std::get_if<wire::shutdown>(&*msg))
-    shutdown_seen = *s;
-  return msg;
-}
-
-/// Gives a bare timeout from next_frame() its meaning for the caller.
+/// Gives a bare timeout its meaning for the caller.
 caf::error coordinator_client::impl::explain(caf::error e, const char* awaited,
                                              std::chrono::milliseconds timeout) const {
   if (code_of(e) != errc::timeout)
@@ -902,6 +1190,55 @@ caf::error coordinator_client::impl::explain(caf::error e, const char* awaited,
                                      + where + " within " + std::to_string(timeout.count())
                                      + " ms");
 }
+
+expected<wire::bytes> coordinator_client::impl::kv_get(const std::string& key,
+                                                       std::chrono::milliseconds timeout) {
+  auto deadline = deadline_after(timeout);
+  auto not_found = [&](const std::string& why) {
+    return make_error(errc::timeout, "key \"" + key + "\" " + why + " at the coordinator at "
+                                       + where + " within " + std::to_string(timeout.count())
+                                       + " ms");
+  };
+  // The coordinator waits at most kv_wait_ms_max per request: ask again
+  // until our own deadline.
+  for (;;) {
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock_type::now());
+    auto wait_ms = std::clamp<int64_t>(left.count(), 0, kv_wait_ms_max);
+    uint64_t id = 0;
+    {
+      std::lock_guard lk(mu);
+      if (failure)
+        return failure;
+      id = next_request++;
+      kv_waiters.emplace(id, std::nullopt);
+    }
+    auto forget = [&] {
+      std::lock_guard lk(mu);
+      kv_waiters.erase(id);
+    };
+    auto sent_at = clock_type::now();
+    if (auto err = send(make_packet(header(rank, wire::no_process), wire::kv_get{id, key, wait_ms}))) {
+      forget();
+      return err;
+    }
+    std::unique_lock lk(mu);
+    auto answer_by = sent_at + std::chrono::milliseconds(wait_ms) + kv_answer_margin;
+    cv.wait_until(lk, answer_by, [&] { return kv_waiters.at(id) || failure; });
+    auto got = std::move(kv_waiters.at(id));
+    kv_waiters.erase(id);
+    if (got && got->found)
+      return std::move(got->value);
+    if (!got && failure)
+      return failure;
+    if (!got)
+      return not_found("got no answer");
+    if (wait_ms >= left.count())
+      return not_found("was not put");
+    // The coordinator's wait was clamped; ours goes on.
+  }
+}
+
+// -- coordinator_client --------------------------------------------------------
 
 namespace {
 
@@ -919,8 +1256,9 @@ coordinator_client& coordinator_client::operator=(coordinator_client&&) noexcept
 expected<coordinator_client> coordinator_client::connect(const host_port& where,
                                                          std::chrono::milliseconds timeout) {
   coordinator_client c;
-  if (auto err = c.impl_->connect(where, clock_type::now() + timeout))
+  if (auto err = c.impl_->connect(where, deadline_after(timeout)))
     return err;
+  c.impl_->start_io();
   spdlog::debug("connected to the coordinator at {}", where.to_string());
   return expected<coordinator_client>(std::move(c));
 }
@@ -930,23 +1268,30 @@ coordinator_client::register_and_wait(const wire::register_worker& me,
                                       std::chrono::milliseconds timeout) {
   if (!impl_)
     return moved_from();
-  auto deadline = clock_type::now() + timeout;
-  impl_->rank = me.rank;
-  if (auto err = impl_->send(make_packet(header(me.rank, wire::no_process), me)))
+  auto& s = *impl_;
+  auto deadline = deadline_after(timeout);
+  s.rank = me.rank;
+  if (auto err = s.send(make_packet(header(me.rank, wire::no_process), me)))
     return err;
-  for (;;) {
-    auto msg = impl_->next_message(deadline);
-    if (!msg)
-      return impl_->explain(msg.error(), "peer table", timeout);
-    if (auto* t = std::get_if<wire::peer_table>(&*msg))
-      return *t;
-    if (auto* r = std::get_if<wire::rejected>(&*msg))
-      return make_error(errc::invalid_argument, "the coordinator rejected rank "
-                                                  + std::to_string(me.rank) + ": " + r->reason);
-    if (auto* s = std::get_if<wire::shutdown>(&*msg))
-      return make_error(errc::closed, "the coordinator shut down before the peer table: "
-                                        + s->reason);
+  std::unique_lock lk(s.mu);
+  s.cv.wait_until(lk, deadline,
+                  [&] { return !s.answers.empty() || s.shutdown_seen || s.failure; });
+  // Answers that arrived before a failure or a shutdown come first.
+  if (!s.answers.empty()) {
+    auto a = std::move(s.answers.front());
+    s.answers.pop_front();
+    if (auto* t = std::get_if<wire::peer_table>(&a))
+      return std::move(*t);
+    return make_error(errc::invalid_argument, "the coordinator rejected rank "
+                                                + std::to_string(me.rank) + ": "
+                                                + std::get<wire::rejected>(a).reason);
   }
+  if (s.shutdown_seen)
+    return make_error(errc::closed, "the coordinator shut down before the peer table: "
+                                      + s.shutdown_seen->reason);
+  if (s.failure)
+    return s.failure;
+  return s.explain(make_error(errc::timeout), "peer table", timeout);
 }
 
 caf::error coordinator_client::report(const wire::report& r) {
@@ -958,15 +1303,42 @@ caf::error coordinator_client::report(const wire::report& r) {
 expected<wire::shutdown> coordinator_client::wait_shutdown(std::chrono::milliseconds timeout) {
   if (!impl_)
     return moved_from();
-  auto deadline = clock_type::now() + timeout;
-  // Peer table updates and late rejections are skipped (next_message keeps
-  // the latest table); only a shutdown or the end of the connection count.
-  while (!impl_->shutdown_seen) {
-    auto msg = impl_->next_message(deadline);
-    if (!msg)
-      return impl_->explain(msg.error(), "shutdown", timeout);
-  }
-  return *impl_->shutdown_seen;
+  auto& s = *impl_;
+  std::unique_lock lk(s.mu);
+  // Peer table updates and late rejections do not end the wait; only a
+  // shutdown or the end of the connection do.
+  s.cv.wait_until(lk, deadline_after(timeout), [&] { return s.shutdown_seen || s.failure; });
+  if (s.shutdown_seen)
+    return *s.shutdown_seen;
+  if (s.failure)
+    return s.failure;
+  return s.explain(make_error(errc::timeout), "shutdown", timeout);
+}
+
+std::optional<wire::peer_table> coordinator_client::latest_table() const {
+  if (!impl_)
+    return std::nullopt;
+  std::lock_guard lk(impl_->mu);
+  return impl_->table;
+}
+
+caf::error coordinator_client::kv_put(const std::string& key, const wire::bytes& value) {
+  if (!impl_)
+    return moved_from();
+  return impl_->send(make_packet(header(impl_->rank, wire::no_process), wire::kv_put{key, value}));
+}
+
+expected<wire::bytes> coordinator_client::kv_get(const std::string& key,
+                                                 std::chrono::milliseconds timeout) {
+  if (!impl_)
+    return moved_from();
+  return impl_->kv_get(key, timeout);
+}
+
+caf::error coordinator_client::kv_drop(const std::string& prefix) {
+  if (!impl_)
+    return moved_from();
+  return impl_->send(make_packet(header(impl_->rank, wire::no_process), wire::kv_drop{prefix}));
 }
 
 } // namespace cmesh

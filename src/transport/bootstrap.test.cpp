@@ -20,14 +20,18 @@ namespace {
 // Hang guards only: every wait below normally ends in milliseconds.
 constexpr auto guard = 5000ms;
 
-std::unique_ptr<coordinator> start_coordinator(uint32_t world_size, size_t reports_max = 100000) {
-  coordinator_options opts;
-  opts.world_size = world_size;
-  opts.reports_max = reports_max;
+std::unique_ptr<coordinator> start_coordinator(coordinator_options opts) {
   auto c = std::make_unique<coordinator>(opts);
   REQUIRE(!c->start());
   REQUIRE(c->port() != 0);
   return c;
+}
+
+std::unique_ptr<coordinator> start_coordinator(uint32_t world_size, size_t reports_max = 100000) {
+  coordinator_options opts;
+  opts.world_size = world_size;
+  opts.reports_max = reports_max;
+  return start_coordinator(opts);
 }
 
 host_port address_of(const coordinator& c) {
@@ -90,6 +94,12 @@ boost::system::error_code send_raw_and_wait_close(uint16_t port, const std::vect
 bool is_hang_up(const boost::system::error_code& ec) {
   return ec == asio::error::eof || ec == asio::error::connection_reset;
 }
+
+wire::bytes bytes_of(const std::string& s) {
+  return wire::bytes(s.begin(), s.end());
+}
+
+using std::chrono::steady_clock;
 
 } // namespace
 
@@ -260,8 +270,9 @@ TEST_CASE("wait_report returns nullopt after its timeout") {
   auto r = coord->wait_report([](const wire::report&) { return true; }, 100ms);
   auto took = std::chrono::steady_clock::now() - start;
   CHECK(!r);
-  CHECK(took >= 100ms);
+  CHECK(took >= 50ms);
   CHECK(took < guard);
+  CHECK(coord->kv_waiting() == 0);
 }
 
 TEST_CASE("connecting where nothing listens is unreachable within the timeout") {
@@ -372,4 +383,270 @@ TEST_CASE("coordinator_client moves") {
   auto c = connect_to(*coord);
   c = std::move(b);
   CHECK(c.register_and_wait(worker(0, 1), guard));
+}
+
+// -- the KV store ----------------------------------------------------------------
+
+TEST_CASE("kv_put then kv_get returns the value, before any registration") {
+  auto coord = start_coordinator(1);
+  auto client = connect_to(*coord); // a tool: never registers
+  REQUIRE(!client.kv_put("epoch/7/host/3", bytes_of("ucx-address-3")));
+  auto v = client.kv_get("epoch/7/host/3", guard);
+  REQUIRE(v);
+  CHECK(*v == bytes_of("ucx-address-3"));
+  CHECK(coord->kv_peek("epoch/7/host/3") == bytes_of("ucx-address-3"));
+  CHECK(!coord->kv_peek("epoch/7/host/4"));
+
+  // Overwrites win; an empty value is a value.
+  REQUIRE(!client.kv_put("epoch/7/host/3", bytes_of("second")));
+  REQUIRE(!client.kv_put("empty", {}));
+  CHECK(client.kv_get("epoch/7/host/3", guard) == bytes_of("second"));
+  auto empty = client.kv_get("empty", 0ms);
+  REQUIRE(empty);
+  CHECK(empty->empty());
+  CHECK(coord->kv_size() == 2);
+
+  // Another connection sees the same store; registering changes nothing.
+  auto other = connect_to(*coord);
+  REQUIRE(other.register_and_wait(worker(0, 1), guard));
+  CHECK(other.kv_get("epoch/7/host/3", guard) == bytes_of("second"));
+}
+
+TEST_CASE("a waiting kv_get is answered by a later put from another client") {
+  auto coord = start_coordinator(2);
+  auto waiter = connect_to(*coord);
+  auto start = steady_clock::now();
+  auto got = std::async(std::launch::async, [&] { return waiter.kv_get("epoch/1/nccl/uid", guard); });
+  REQUIRE(eventually([&] { return coord->kv_waiting() == 1; }));
+  std::this_thread::sleep_for(50ms);
+  CHECK(got.wait_for(0ms) == std::future_status::timeout); // still waiting
+
+  auto putter = connect_to(*coord);
+  REQUIRE(!putter.kv_put("epoch/1/nccl/other", bytes_of("not this one")));
+  REQUIRE(!putter.kv_put("epoch/1/nccl/uid", bytes_of("uid-bytes")));
+  auto v = got.get();
+  auto took = steady_clock::now() - start;
+  REQUIRE(v);
+  CHECK(*v == bytes_of("uid-bytes"));
+  CHECK(took >= 50ms);
+  CHECK(took < guard);
+  CHECK(coord->kv_waiting() == 0);
+}
+
+TEST_CASE("kv_get of a key nobody puts times out, naming the key") {
+  auto coord = start_coordinator(1);
+  auto client = connect_to(*coord);
+  auto start = steady_clock::now();
+  auto v = client.kv_get("epoch/3/missing", 200ms);
+  auto took = steady_clock::now() - start;
+  REQUIRE(!v);
+  CHECK(code_of(v.error()) == errc::timeout);
+  CHECK(describe(v.error()).find("epoch/3/missing") != std::string::npos);
+  CHECK(took >= 190ms);
+  CHECK(took < 2s); // answered by the coordinator, not by the margin
+
+  auto now = client.kv_get("epoch/3/missing", 0ms); // no wait at all
+  REQUIRE(!now);
+  CHECK(code_of(now.error()) == errc::timeout);
+  // The connection is still fine.
+  REQUIRE(!client.kv_put("epoch/3/missing", bytes_of("late")));
+  CHECK(client.kv_get("epoch/3/missing", guard) == bytes_of("late"));
+}
+
+TEST_CASE("kv_drop and kv_drop_prefix erase a namespace and nothing else") {
+  auto coord = start_coordinator(1);
+  auto client = connect_to(*coord);
+  for (auto key : {"epoch/1/a", "epoch/1/b", "epoch/10/a", "epoch/2/a", "epoch/2/b", "other"})
+    REQUIRE(!client.kv_put(key, bytes_of(key)));
+  REQUIRE(!client.kv_drop("epoch/1/"));
+  // Frames of one connection are applied in order: the drop came first.
+  auto gone = client.kv_get("epoch/1/a", 0ms);
+  REQUIRE(!gone);
+  CHECK(code_of(gone.error()) == errc::timeout);
+  CHECK(!coord->kv_peek("epoch/1/b"));
+  CHECK(coord->kv_peek("epoch/10/a") == bytes_of("epoch/10/a")); // "epoch/1/" is no prefix of it
+  CHECK(client.kv_get("epoch/2/a", 0ms) == bytes_of("epoch/2/a"));
+  CHECK(coord->kv_size() == 4);
+
+  coord->kv_drop_prefix("epoch/");
+  CHECK(coord->kv_size() == 1);
+  CHECK(coord->kv_peek("other") == bytes_of("other"));
+  CHECK(!client.kv_get("epoch/2/b", 0ms));
+  coord->kv_drop_prefix("");
+  CHECK(coord->kv_size() == 0);
+}
+
+TEST_CASE("puts beyond the store's limits are dropped and counted; the connection stays") {
+  coordinator_options opts;
+  opts.kv_value_bytes_max = 1000;
+  opts.kv_keys_max = 2;
+  auto coord = start_coordinator(opts);
+  auto client = connect_to(*coord);
+
+  REQUIRE(!client.kv_put("big", wire::bytes(1001, 7))); // too large: dropped
+  REQUIRE(!client.kv_put("fits", wire::bytes(1000, 7)));
+  CHECK(client.kv_get("fits", guard) == wire::bytes(1000, 7));
+  auto big = client.kv_get("big", 0ms);
+  REQUIRE(!big);
+  CHECK(code_of(big.error()) == errc::timeout);
+  CHECK(coord->kv_puts_dropped() == 1);
+
+  REQUIRE(!client.kv_put("second", bytes_of("2")));
+  REQUIRE(!client.kv_put("third", bytes_of("3"))); // a third key: dropped
+  REQUIRE(!client.kv_put("fits", bytes_of("overwritten"))); // overwriting stays allowed
+  CHECK(client.kv_get("fits", guard) == bytes_of("overwritten"));
+  CHECK(!coord->kv_peek("third"));
+  CHECK(coord->kv_puts_dropped() == 2);
+  CHECK(coord->kv_size() == 2);
+  CHECK(client.kv_get("second", guard) == bytes_of("2"));
+}
+
+TEST_CASE("kv_waits_max bounds the waiting gets of a connection") {
+  coordinator_options opts;
+  opts.kv_waits_max = 1;
+  auto coord = start_coordinator(opts);
+  auto client = connect_to(*coord);
+  auto first = std::async(std::launch::async, [&] { return client.kv_get("k1", guard); });
+  REQUIRE(eventually([&] { return coord->kv_waiting() == 1; }));
+  auto start = steady_clock::now();
+  auto second = client.kv_get("k2", guard); // over the bound: answered at once
+  REQUIRE(!second);
+  CHECK(code_of(second.error()) == errc::timeout);
+  CHECK(steady_clock::now() - start < 2s);
+
+  // Another connection has a bound of its own.
+  auto other = connect_to(*coord);
+  auto third = std::async(std::launch::async, [&] { return other.kv_get("k2", guard); });
+  REQUIRE(eventually([&] { return coord->kv_waiting() == 2; }));
+  auto putter = connect_to(*coord);
+  REQUIRE(!putter.kv_put("k1", bytes_of("one")));
+  REQUIRE(!putter.kv_put("k2", bytes_of("two")));
+  CHECK(first.get() == bytes_of("one"));
+  CHECK(third.get() == bytes_of("two"));
+}
+
+TEST_CASE("one client is used from four threads while a fifth waits for the shutdown") {
+  auto coord = start_coordinator(1);
+  auto client = connect_to(*coord);
+  REQUIRE(client.register_and_wait(worker(0, 1), guard));
+
+  auto shutdown = std::async(std::launch::async, [&] { return client.wait_shutdown(30s); });
+  constexpr int threads = 4;
+  constexpr int ops = 200;
+  std::atomic<int> failures{0};
+  std::atomic<int> reports_sent{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t)
+    workers.emplace_back([&, t] {
+      auto fail = [&](const char* what, int i) {
+        if (failures++ < 10)
+          MESSAGE("thread " << t << " op " << i << ": " << what);
+      };
+      // All four wait on one key at once: demultiplexed by request id.
+      if (client.kv_get("go", 20s) != bytes_of("now"))
+        fail("go", -1);
+      for (int i = 0; i < ops; ++i) {
+        auto key = "t" + std::to_string(t) + "/k" + std::to_string(i);
+        auto value = bytes_of(key + "/value");
+        switch (i % 3) {
+          case 0:
+            if (client.kv_put(key, value))
+              fail("put", i);
+            if (client.kv_get(key, 20s) != value)
+              fail("get after put", i);
+            break;
+          case 1: { // the key put one step ago, and another thread's
+            auto prev = "t" + std::to_string(t) + "/k" + std::to_string(i - 1);
+            if (client.kv_get(prev, 20s) != bytes_of(prev + "/value"))
+              fail("get of the previous key", i);
+            auto missing = client.kv_get(key, 0ms);
+            if (missing || code_of(missing.error()) != errc::timeout)
+              fail("get of a missing key", i);
+            break;
+          }
+          default:
+            if (client.report(wire::report{0, "t" + std::to_string(t), std::to_string(i), i}))
+              fail("report", i);
+            else
+              ++reports_sent;
+        }
+      }
+    });
+  REQUIRE(eventually([&] { return coord->kv_waiting() == threads; }));
+  auto putter = connect_to(*coord);
+  REQUIRE(!putter.kv_put("go", bytes_of("now")));
+  for (auto& w : workers)
+    w.join();
+  CHECK(failures == 0);
+  CHECK(reports_sent == threads * (ops / 3));
+  CHECK(eventually([&] { return coord->reports().size() == size_t(threads * (ops / 3)); }));
+  CHECK(shutdown.wait_for(0ms) == std::future_status::timeout); // still waiting
+
+  coord->broadcast_shutdown(0, "all done");
+  auto s = shutdown.get();
+  REQUIRE(s);
+  CHECK(s->reason == "all done");
+  // Seen by the other thread, and still there for this one.
+  auto again = client.wait_shutdown(0ms);
+  REQUIRE(again);
+  CHECK(again->reason == "all done");
+}
+
+TEST_CASE("stopping the coordinator ends a waiting kv_get with closed, promptly") {
+  auto coord = start_coordinator(1);
+  auto client = connect_to(*coord);
+  auto got = std::async(std::launch::async, [&] { return client.kv_get("never", 30s); });
+  REQUIRE(eventually([&] { return coord->kv_waiting() == 1; }));
+  auto start = steady_clock::now();
+  coord->stop();
+  auto v = got.get();
+  auto took = steady_clock::now() - start;
+  REQUIRE(!v);
+  CHECK(code_of(v.error()) == errc::closed);
+  CHECK(took < 2s);
+  auto after = client.kv_get("never", 1s);
+  REQUIRE(!after);
+  CHECK(code_of(after.error()) == errc::closed);
+  CHECK(code_of(client.kv_put("k", {})) == errc::closed);
+}
+
+TEST_CASE("a connection that closes takes its waiting gets with it") {
+  auto coord = start_coordinator(1);
+  {
+    asio::io_context io;
+    tcp::socket raw(io);
+    raw.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), coord->port()));
+    for (uint64_t id : {1, 2, 3}) {
+      auto frame = wire::encode(wire::frame_header{}, wire::kv_get{id, "later", 30000});
+      auto n = static_cast<uint32_t>(frame.size());
+      std::vector<uint8_t> bytes = {uint8_t(n), uint8_t(n >> 8), uint8_t(n >> 16), uint8_t(n >> 24)};
+      bytes.insert(bytes.end(), frame.begin(), frame.end());
+      asio::write(raw, asio::buffer(bytes));
+    }
+    REQUIRE(eventually([&] { return coord->kv_waiting() == 3; }));
+  } // closed
+  CHECK(eventually([&] { return coord->kv_waiting() == 0; }));
+
+  // A get answered by its timer leaves nothing behind either.
+  auto client = connect_to(*coord);
+  CHECK(!client.kv_get("later", 50ms));
+  CHECK(coord->kv_waiting() == 0);
+  // The coordinator still serves, and a put answers only the live waiters.
+  auto got = std::async(std::launch::async, [&] { return client.kv_get("later", guard); });
+  REQUIRE(eventually([&] { return coord->kv_waiting() == 1; }));
+  auto putter = connect_to(*coord);
+  REQUIRE(!putter.kv_put("later", bytes_of("x")));
+  CHECK(got.get() == bytes_of("x"));
+  CHECK(coord->kv_waiting() == 0);
+}
+
+TEST_CASE("kv calls on a moved-from client are closed") {
+  auto coord = start_coordinator(1);
+  auto a = connect_to(*coord);
+  coordinator_client b = std::move(a);
+  CHECK(code_of(a.kv_put("k", {})) == errc::closed); // NOLINT: moved-from on purpose
+  CHECK(code_of(a.kv_get("k", 0ms).error()) == errc::closed);
+  CHECK(code_of(a.kv_drop("k")) == errc::closed);
+  REQUIRE(!b.kv_put("k", bytes_of("v")));
+  CHECK(b.kv_get("k", guard) == bytes_of("v"));
 }

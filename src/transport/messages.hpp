@@ -88,6 +88,50 @@ struct rejected {
   bool operator==(const rejected&) const = default;
 };
 
+/// Key/value store of the coordinator (rendezvous of each epoch's
+/// communicators: addresses, NCCL unique ids). Keys live under a namespace
+/// per epoch, e.g. "epoch/7/host/3".
+struct kv_put {
+  static constexpr kind_t kind = 6;
+  static constexpr const char* name = "kv_put";
+  std::string key;
+  bytes value;
+  MSGPACK_DEFINE(key, value)
+  bool operator==(const kv_put&) const = default;
+};
+
+/// Asks for a key, waiting up to wait_ms on the coordinator for it to be put.
+struct kv_get {
+  static constexpr kind_t kind = 7;
+  static constexpr const char* name = "kv_get";
+  uint64_t request_id = 0;
+  std::string key;
+  int64_t wait_ms = 0;
+  MSGPACK_DEFINE(request_id, key, wait_ms)
+  bool operator==(const kv_get&) const = default;
+};
+
+/// The answer to kv_get; found is false when wait_ms passed first.
+struct kv_value {
+  static constexpr kind_t kind = 8;
+  static constexpr const char* name = "kv_value";
+  uint64_t request_id = 0;
+  std::string key;
+  bool found = false;
+  bytes value;
+  MSGPACK_DEFINE(request_id, key, found, value)
+  bool operator==(const kv_value&) const = default;
+};
+
+/// Drops every key that starts with prefix (an epoch's namespace).
+struct kv_drop {
+  static constexpr kind_t kind = 9;
+  static constexpr const char* name = "kv_drop";
+  std::string prefix;
+  MSGPACK_DEFINE(prefix)
+  bool operator==(const kv_drop&) const = default;
+};
+
 // -- transport (process <-> process over UCX) ----------------------------------
 
 /// Liveness beacon on the control endpoint.
@@ -154,12 +198,13 @@ struct ack {
 template <class... Ts>
 struct type_list {};
 
-using bootstrap_messages = type_list<register_worker, peer_table, report, shutdown, rejected>;
+using bootstrap_messages = type_list<register_worker, peer_table, report, shutdown, rejected,
+                                     kv_put, kv_get, kv_value, kv_drop>;
 using transport_messages = type_list<heartbeat>;
 /// Kinds that may be sent between actors (what a remote proxy forwards).
 using actor_messages = type_list<token, sequenced, blob, ack>;
-using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected,
-                               heartbeat, token, sequenced, blob, ack>;
+using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected, kv_put,
+                               kv_get, kv_value, kv_drop, heartbeat, token, sequenced, blob, ack>;
 
 template <class T>
 constexpr bool has_bulk_v = requires { T::has_bulk; };

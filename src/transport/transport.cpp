@@ -269,6 +269,9 @@ struct peer_state {
   std::deque<slot_ptr> inbox;
   std::deque<command> pending;
 
+  mutable std::mutex reason_mtx;
+  caf::error reason; // why it was fenced
+
   // control lane only
   ucp_ep_h ctrl = nullptr;
   std::atomic<int64_t> heartbeats_inflight{0};
@@ -519,6 +522,18 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
 bool transport::peer_alive(uint32_t peer) const {
   auto* p = impl_->peer(peer);
   return p != nullptr && p->alive;
+}
+
+caf::error transport::peer_error(uint32_t peer) const {
+  auto* p = impl_->peer(peer);
+  if (p == nullptr || !p->connected)
+    return peer == impl_->self ? caf::error{}
+                               : make_error(errc::invalid_argument,
+                                            "no endpoint to rank " + std::to_string(peer));
+  if (p->alive)
+    return {};
+  std::lock_guard<std::mutex> g(p->reason_mtx);
+  return p->reason ? p->reason : make_error(errc::closed, "transport stopped");
 }
 
 void transport::fence(uint32_t peer, caf::error reason) {
@@ -797,8 +812,13 @@ void transport::impl::apply_failures() {
 
 void transport::impl::fail(uint32_t rank, const caf::error& reason) {
   auto* p = peer(rank);
-  if (p == nullptr || !p->alive.exchange(false))
+  if (p == nullptr || !p->alive)
     return;
+  {
+    std::lock_guard<std::mutex> g(p->reason_mtx);
+    p->reason = reason;
+  }
+  p->alive = false;
   ++counters.lost;
   spdlog::log(departing ? spdlog::level::debug : spdlog::level::warn, "rank {}: lost rank {}: {}",
               self, rank, describe(reason));

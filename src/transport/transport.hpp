@@ -127,6 +127,9 @@ public:
   /// False once the peer is fenced (or was never connected).
   bool peer_alive(uint32_t peer) const;
 
+  /// Why the peer was fenced (none while it is alive). Thread-safe.
+  caf::error peer_error(uint32_t peer) const;
+
   /// Fences a peer from outside (e.g. the coordinator declared it dead).
   void fence(uint32_t peer, caf::error reason);
 

@@ -20,6 +20,10 @@ peer_table sample(type_list<peer_table>) {
 report sample(type_list<report>) { return {2, "token", "laps=3", 123456789}; }
 wire::shutdown sample(type_list<wire::shutdown>) { return {1, "all done"}; }
 rejected sample(type_list<rejected>) { return {"rank 9 is outside world size 4"}; }
+kv_put sample(type_list<kv_put>) { return {"epoch/3/host/1", bytes{1, 2, 3}}; }
+kv_get sample(type_list<kv_get>) { return {17, "epoch/3/host/1", 5000}; }
+kv_value sample(type_list<kv_value>) { return {17, "epoch/3/host/1", true, bytes{4, 5}}; }
+kv_drop sample(type_list<kv_drop>) { return {"epoch/3/"}; }
 heartbeat sample(type_list<heartbeat>) { return {42, -7}; }
 token sample(type_list<token>) { return {1, 2, 3, 99}; }
 sequenced sample(type_list<sequenced>) { return {5, 100000, 17}; }
@@ -70,7 +74,7 @@ TEST_CASE("every message kind survives a round trip") {
     CHECK(*out == in);
     CHECK(std::string(kind_name(T::kind)) == T::name);
   });
-  CHECK(kinds == 10);
+  CHECK(kinds == 14);
 }
 
 TEST_CASE("kinds are unique") {
@@ -122,13 +126,15 @@ TEST_CASE("bad frames are rejected with typed errors") {
     auto h = some_header();
     h.kind = token::kind;
     std::vector<uint8_t> junk{0xc1, 0xc1, 0xc1}; // 0xc1 is never used by msgpack
-    auto v = decode_frame(encode_frame(h, junk));
+    auto frame = encode_frame(h, junk);
+    auto v = decode_frame(frame);
     REQUIRE(v);
     CHECK(code_of(decode_body<token>(v->body).error()) == errc::malformed_frame);
   }
   SUBCASE("wrong body shape") {
     auto h = some_header();
-    auto v = decode_frame(encode(h, report{1, "k", "v", 2}));
+    auto frame = encode(h, report{1, "k", "v", 2});
+    auto v = decode_frame(frame);
     REQUIRE(v);
     CHECK(code_of(decode_body<token>(v->body).error()) == errc::malformed_frame);
   }

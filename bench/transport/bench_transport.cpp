@@ -1,0 +1,983 @@
+// The transport benchmark: two processes of this host, actor to actor.
+//
+//   cmesh_bench_transport [all]                          the driver: runs everything below
+//                                                        and prints the comparison table
+//   cmesh_bench_transport cmesh-node <lat|bw|all>        one rank of a 2-process mesh
+//                                                        (CMESH_COORDINATOR/RANK/WORLD_SIZE)
+//   cmesh_bench_transport caf-server <port>              CAF 0.17 echo/sink behind its TCP
+//                                                        middleman (port 0: ephemeral, written
+//                                                        to $CMESH_BENCH_PORT_FILE)
+//   cmesh_bench_transport caf-client <host> <port> <lat|bw|all>
+//                                                        measures against caf-server; results
+//                                                        also go to $CMESH_BENCH_OUT
+//
+// Latency: an actor in rank 0 sends a wire::sequenced to the echo actor of
+// rank 1 (mesh::remote(1, "echo")), which answers wire::ack to the sender;
+// one-way latency = round trip / 2. Bandwidth: rank 0 keeps a window of
+// wire::blob messages with one reused 4 MiB bulk payload in flight to the sink
+// of rank 1, which acks each; GB/s = 1e9 bytes/s over the acks after warm-up.
+// The CAF pair does the same with (atom, uint64) and (atom, std::vector<char>).
+//
+// Knobs (environment of the driver): CMESH_BENCH_LAT_ITERS (20000),
+// CMESH_BENCH_LAT_WARMUP (2000), CMESH_BENCH_BW_MSGS (500), CMESH_BENCH_BW_WARMUP
+// (32), CMESH_BENCH_WINDOW (16), CMESH_BENCH_CAF_BW_MSGS (100), CMESH_BENCH_SPINS
+// (CMESH_SPIN_US values to try, "50,1000"), CMESH_BENCH_TIME_CAP_S (8: a measurement
+// stops early after this long), CMESH_BENCH_CAF_POLL (default | cv), CMESH_BENCH_UCX_ANCHOR (path of
+// ucx.sh), CMESH_BENCH_SKIP_UCX=1, CMESH_BENCH_SKIP_CAF=1, CMESH_BENCH_VERBOSE=1
+// (every figure the clients measured).
+#include "core/env.hpp"
+#include "core/process.hpp"
+#include "transport/bootstrap.hpp"
+#include "transport/join.hpp"
+#include "transport/mesh.hpp"
+
+#include <caf/all.hpp>
+#include <caf/io/all.hpp>
+#include <spdlog/spdlog.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace cmesh;
+using namespace std::chrono_literals;
+
+namespace {
+
+using ping_atom = caf::atom_constant<caf::atom("ping")>;
+using pong_atom = caf::atom_constant<caf::atom("pong")>;
+using blob_atom = caf::atom_constant<caf::atom("blob")>;
+using bye_atom = caf::atom_constant<caf::atom("bye")>;
+
+constexpr size_t payload_bytes = size_t{4} << 20;
+
+// -- parameters ------------------------------------------------------------------
+
+uint64_t env_u64(const char* name, uint64_t fallback) {
+  auto v = env_int(name);
+  if (!v.error.empty() || !v.value || *v.value <= 0)
+    return fallback;
+  return static_cast<uint64_t>(*v.value);
+}
+
+struct params {
+  uint64_t lat_warmup = env_u64("CMESH_BENCH_LAT_WARMUP", 2000);
+  uint64_t lat_iters = env_u64("CMESH_BENCH_LAT_ITERS", 20000);
+  uint64_t bw_warmup = env_u64("CMESH_BENCH_BW_WARMUP", 32);
+  uint64_t bw_msgs = env_u64("CMESH_BENCH_BW_MSGS", 500);
+  uint64_t caf_bw_msgs = env_u64("CMESH_BENCH_CAF_BW_MSGS", 100);
+  uint64_t window = env_u64("CMESH_BENCH_WINDOW", 16);
+  /// Each measurement stops early after this long (a slow path must not make
+  /// the whole benchmark slow); the figures say how many messages counted.
+  int64_t cap_ns = static_cast<int64_t>(env_u64("CMESH_BENCH_TIME_CAP_S", 8)) * 1'000'000'000;
+};
+
+/// The CAF scheduler of every benchmark process: two workers, as `cmesh
+/// worker` runs them. CMESH_BENCH_CAF_POLL=cv makes idle workers wait on
+/// their condition variable right after the aggressive spin instead of
+/// polling with 50 us sleeps (CAF's "moderate" stage) for a while.
+void configure_scheduler(caf::actor_system_config& cfg) {
+  cfg.set("scheduler.max-threads", size_t{2});
+  if (env_string("CMESH_BENCH_CAF_POLL").value_or("default") == "cv")
+    cfg.set("work-stealing.moderate-poll-attempts", size_t{0});
+}
+
+// -- measurement state shared by the cmesh and CAF clients ------------------------
+
+using results = std::map<std::string, double>;
+
+/// Ping-pong bookkeeping: call sent() before each ping and replied() on each
+/// pong; replied() says whether to send another.
+struct pingpong {
+  uint64_t warmup = 0;
+  uint64_t iters = 0;
+  int64_t cap_ns = 0;
+  uint64_t seq = 0; // of the ping in flight
+  int64_t sent_ns = 0;
+  int64_t start_ns = 0; // of the first measured ping
+  std::vector<int64_t> rtt_ns;
+
+  pingpong(const params& p) : warmup(p.lat_warmup), iters(p.lat_iters), cap_ns(p.cap_ns) {
+    rtt_ns.reserve(iters);
+  }
+
+  void sent() {
+    sent_ns = mono_ns();
+    if (seq == warmup)
+      start_ns = sent_ns;
+  }
+
+  bool replied() {
+    auto now = mono_ns();
+    if (seq >= warmup)
+      rtt_ns.push_back(now - sent_ns);
+    ++seq;
+    if (seq > warmup && now - start_ns > cap_ns)
+      return false;
+    return seq < warmup + iters;
+  }
+
+  void summarize(results& out) const {
+    if (rtt_ns.empty())
+      return;
+    auto v = rtt_ns;
+    std::sort(v.begin(), v.end());
+    double sum = 0;
+    for (auto x : v)
+      sum += static_cast<double>(x);
+    auto pct = [&](double p) {
+      auto i = static_cast<size_t>(p * static_cast<double>(v.size() - 1));
+      return static_cast<double>(v[i]) / 2e3;
+    };
+    out["lat_us"] = sum / static_cast<double>(v.size()) / 2e3;
+    out["lat_p50_us"] = pct(0.50);
+    out["lat_p99_us"] = pct(0.99);
+    out["lat_iters"] = static_cast<double>(v.size());
+  }
+};
+
+/// Windowed streaming bookkeeping: keep up to `window` messages
+/// unacknowledged. The warm-up messages are all acknowledged before the
+/// measured ones start, so the clock runs from the first measured send to the
+/// last ack (pipeline fill and drain included).
+struct stream {
+  uint64_t warmup = 0;
+  uint64_t count = 0;
+  uint64_t window = 0;
+  int64_t cap_ns = 0;
+  bool capped = false; // past the time cap: send no more, drain
+  uint64_t sent = 0;
+  uint64_t acked = 0;
+  int64_t t0 = 0;
+  int64_t t1 = 0;
+  int64_t last_ack = 0;
+  std::vector<int64_t> gaps_ns; // between measured acks
+
+  uint64_t total() const { return warmup + count; }
+  /// How many to send now (at the start, or after an ack).
+  uint64_t to_send() const {
+    if (capped)
+      return 0;
+    auto phase_end = acked < warmup ? warmup : total();
+    auto limit = std::min(phase_end, acked + window);
+    return limit > sent ? limit - sent : 0;
+  }
+  /// Records one ack; true when the last one came.
+  bool on_ack() {
+    ++acked;
+    auto now = mono_ns();
+    if (acked > warmup)
+      gaps_ns.push_back(now - last_ack);
+    last_ack = now;
+    if (acked == warmup)
+      t0 = now;
+    if (acked > warmup && !capped && now - t0 > cap_ns)
+      capped = true;
+    if (acked == total() || (capped && acked == sent)) {
+      t1 = now;
+      count = acked - warmup;
+      return true;
+    }
+    return false;
+  }
+  void summarize(results& out, size_t bytes) const {
+    if (t1 <= t0)
+      return;
+    out["bw_GBps"] = static_cast<double>(count) * static_cast<double>(bytes)
+                     / static_cast<double>(t1 - t0);
+    out["bw_msgs"] = static_cast<double>(count);
+    if (!gaps_ns.empty()) {
+      auto g = gaps_ns;
+      std::sort(g.begin(), g.end());
+      out["bw_gap_p50_us"] = static_cast<double>(g[g.size() / 2]) / 1e3;
+      out["bw_gap_max_us"] = static_cast<double>(g.back()) / 1e3;
+      double stalls = 0, stall_ns = 0;
+      for (auto x : g)
+        if (x > 5'000'000) {
+          ++stalls;
+          stall_ns += static_cast<double>(x);
+        }
+      out["bw_stalls_over_5ms"] = stalls;
+      out["bw_stall_ms"] = stall_ns / 1e6;
+    }
+  }
+};
+
+/// The outcome of an actor-driven measurement, handed to the main thread.
+struct outcome {
+  std::string error; // empty: ok
+  results values;
+};
+
+using outcome_promise = std::shared_ptr<std::promise<outcome>>;
+
+/// Waits for a measurement; a timeout is an error.
+outcome await(std::future<outcome>& f, std::chrono::seconds limit, const char* what) {
+  if (f.wait_for(limit) != std::future_status::ready)
+    return {std::string(what) + ": no result within " + std::to_string(limit.count()) + " s", {}};
+  return f.get();
+}
+
+// -- cmesh ranks -------------------------------------------------------------------
+
+/// Rank 0's latency client: ping-pong with the echo actor of rank 1.
+caf::behavior cmesh_pinger(caf::event_based_actor* self, caf::actor echo, params p,
+                           outcome_promise done) {
+  auto st = std::make_shared<pingpong>(p);
+  auto finished = std::make_shared<bool>(false);
+  auto finish = [=](std::string err) {
+    if (*finished)
+      return;
+    *finished = true;
+    outcome o{std::move(err), {}};
+    st->summarize(o.values);
+    done->set_value(std::move(o));
+    self->quit();
+  };
+  self->monitor(echo);
+  self->set_down_handler([=](caf::down_msg& d) { finish("echo went down: " + describe(d.reason)); });
+  st->sent();
+  self->send(echo, wire::sequenced{0, 0, st->sent_ns});
+  return {[=](const wire::ack& a) {
+    if (a.seq != st->seq) {
+      finish("ack " + std::to_string(a.seq) + " for ping " + std::to_string(st->seq));
+      return;
+    }
+    if (!st->replied()) {
+      finish({});
+      return;
+    }
+    st->sent();
+    self->send(echo, wire::sequenced{0, st->seq, st->sent_ns});
+  }};
+}
+
+/// Rank 0's bandwidth client: a window of blobs sharing one bulk buffer.
+caf::behavior cmesh_streamer(caf::event_based_actor* self, caf::actor sink, params p,
+                             outcome_promise done) {
+  auto st = std::make_shared<stream>(stream{p.bw_warmup, p.bw_msgs, p.window, p.cap_ns});
+  auto buf = bulk::allocate(payload_bytes);
+  std::memset(buf.data(), 0x5a, buf.size()); // touch every page once, here
+  auto finished = std::make_shared<bool>(false);
+  auto finish = [=](std::string err) {
+    if (*finished)
+      return;
+    *finished = true;
+    outcome o{std::move(err), {}};
+    st->summarize(o.values, payload_bytes);
+    done->set_value(std::move(o));
+    self->quit();
+  };
+  auto pump = [=] {
+    for (auto n = st->to_send(); n > 0; --n)
+      self->send(sink, wire::blob{st->sent++, 0, buf});
+  };
+  self->monitor(sink);
+  self->set_down_handler([=](caf::down_msg& d) { finish("sink went down: " + describe(d.reason)); });
+  pump();
+  return {[=](const wire::ack& a) {
+    if (a.value != payload_bytes) {
+      finish("sink got " + std::to_string(a.value) + " bytes, expected "
+             + std::to_string(payload_bytes));
+      return;
+    }
+    if (st->on_ack()) {
+      finish({});
+      return;
+    }
+    pump();
+  }};
+}
+
+int cmesh_node(const std::string& mode) {
+  if (mode != "lat" && mode != "bw" && mode != "all") {
+    std::fprintf(stderr, "cmesh-node: mode must be lat, bw or all\n");
+    return 2;
+  }
+  auto j = join_mesh({});
+  if (!j) {
+    std::fprintf(stderr, "cmesh-node: %s\n", describe(j.error()).c_str());
+    return 3;
+  }
+  const auto rank = static_cast<uint32_t>(j->place.rank);
+  if (j->place.world_size != 2 || rank > 1) {
+    std::fprintf(stderr, "cmesh-node: needs a world of 2\n");
+    return 2;
+  }
+  auto report = [&](const std::string& key, const std::string& value) {
+    if (auto e = j->coordinator.report({rank, key, value, mono_ns()}))
+      std::fprintf(stderr, "cmesh-node %u: report failed: %s\n", rank, describe(e).c_str());
+  };
+  params p;
+  caf::actor_system_config cfg;
+  configure_scheduler(cfg);
+  caf::actor_system sys{cfg};
+  int rc = 0;
+  {
+    mesh m(sys, *j->net);
+    std::vector<caf::actor> mine;
+    if (rank == 1) {
+      // Published before the transport starts: no frame finds them missing.
+      auto echo = sys.spawn([](caf::event_based_actor* self) -> caf::behavior {
+        return {[=](const wire::sequenced& s) {
+          self->send(caf::actor_cast<caf::actor>(self->current_sender()), wire::ack{s.seq, 0});
+        }};
+      });
+      auto sink = sys.spawn([](caf::event_based_actor* self) -> caf::behavior {
+        return {[=](const wire::blob& b) {
+          self->send(caf::actor_cast<caf::actor>(self->current_sender()),
+                     wire::ack{b.seq, b.payload.size()});
+        }};
+      });
+      m.publish("echo", echo);
+      m.publish("sink", sink);
+      mine = {echo, sink};
+    }
+    if (auto e = j->net->start()) {
+      std::fprintf(stderr, "cmesh-node %u: %s\n", rank, describe(e).c_str());
+      return 3;
+    }
+    report("ready", "");
+    if (rank == 0) {
+      std::string error;
+      results all;
+      auto run = [&](auto behavior_fn, const char* peer, std::chrono::seconds limit) {
+        auto done = std::make_shared<std::promise<outcome>>();
+        auto f = done->get_future();
+        auto dst = m.remote(1, peer);
+        // The mesh names unpublished senders by a weak reference: hold the
+        // client, or the replies would find it gone.
+        auto client = sys.spawn(
+          [=](caf::event_based_actor* self) { return behavior_fn(self, dst, p, done); });
+        auto o = await(f, limit, peer);
+        caf::anon_send_exit(client, caf::exit_reason::user_shutdown);
+        if (!o.error.empty() && error.empty())
+          error = o.error;
+        all.insert(o.values.begin(), o.values.end());
+      };
+      if (mode != "bw")
+        run(cmesh_pinger, "echo", 60s);
+      if (mode != "lat" && error.empty())
+        run(cmesh_streamer, "sink", 60s);
+      auto ts = j->net->stats();
+      all["frames_sent"] = static_cast<double>(ts.frames_sent);
+      for (auto& [k, v] : all)
+        report(k, std::to_string(v));
+      report("done", error.empty() ? "ok" : error);
+      rc = error.empty() ? 0 : 1;
+    }
+    auto bye = j->coordinator.wait_shutdown(120s);
+    j->net->begin_shutdown();
+    for (auto& a : mine)
+      caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    if (!bye)
+      rc = rc ? rc : 1;
+    j->net->stop();
+  }
+  sys.await_all_actors_done();
+  return rc;
+}
+
+// -- CAF TCP middleman -------------------------------------------------------------
+
+caf::actor_system_config& caf_config(caf::actor_system_config& cfg) {
+  cfg.load<caf::io::middleman>();
+  configure_scheduler(cfg);
+  return cfg;
+}
+
+int caf_server(uint16_t port) {
+  caf::actor_system_config cfg;
+  caf::actor_system sys{caf_config(cfg)};
+  auto bye = std::make_shared<std::promise<void>>();
+  auto f = bye->get_future();
+  auto srv = sys.spawn([bye](caf::event_based_actor* self) -> caf::behavior {
+    return {
+      [=](ping_atom, uint64_t seq) {
+        self->send(caf::actor_cast<caf::actor>(self->current_sender()), pong_atom::value, seq);
+      },
+      [=](blob_atom, const std::vector<char>& data) {
+        self->send(caf::actor_cast<caf::actor>(self->current_sender()), pong_atom::value,
+                   static_cast<uint64_t>(data.size()));
+      },
+      [=](bye_atom) {
+        bye->set_value();
+        self->quit();
+      },
+    };
+  });
+  auto bound = sys.middleman().publish(srv, port, "127.0.0.1");
+  if (!bound) {
+    std::fprintf(stderr, "caf-server: publish failed: %s\n", sys.render(bound.error()).c_str());
+    caf::anon_send_exit(srv, caf::exit_reason::user_shutdown);
+    return 3;
+  }
+  if (auto path = env_string("CMESH_BENCH_PORT_FILE")) {
+    auto tmp = *path + ".tmp";
+    std::ofstream(tmp) << *bound << "\n";
+    std::filesystem::rename(tmp, *path);
+  }
+  int rc = 0;
+  if (f.wait_for(300s) != std::future_status::ready) {
+    std::fprintf(stderr, "caf-server: no client said bye within 300 s\n");
+    rc = 1;
+  }
+  caf::anon_send_exit(srv, caf::exit_reason::user_shutdown);
+  sys.middleman().unpublish(srv, *bound);
+  return rc;
+}
+
+caf::behavior caf_pinger(caf::event_based_actor* self, caf::actor srv, params p,
+                         outcome_promise done) {
+  auto st = std::make_shared<pingpong>(p);
+  auto finished = std::make_shared<bool>(false);
+  auto finish = [=](std::string err) {
+    if (*finished)
+      return;
+    *finished = true;
+    outcome o{std::move(err), {}};
+    st->summarize(o.values);
+    done->set_value(std::move(o));
+    self->quit();
+  };
+  self->monitor(srv);
+  self->set_down_handler([=](caf::down_msg& d) {
+    finish("server went down: " + self->system().render(d.reason));
+  });
+  st->sent();
+  self->send(srv, ping_atom::value, uint64_t{0});
+  return {[=](pong_atom, uint64_t seq) {
+    if (seq != st->seq) {
+      finish("pong " + std::to_string(seq) + " for ping " + std::to_string(st->seq));
+      return;
+    }
+    if (!st->replied()) {
+      finish({});
+      return;
+    }
+    st->sent();
+    self->send(srv, ping_atom::value, st->seq);
+  }};
+}
+
+caf::behavior caf_streamer(caf::event_based_actor* self, caf::actor srv, params p,
+                           outcome_promise done) {
+  auto st = std::make_shared<stream>(stream{p.bw_warmup, p.caf_bw_msgs, p.window, p.cap_ns});
+  // One message, built once: CAF messages are copy-on-write, so every send
+  // shares this vector until the middleman serializes it.
+  auto msg = caf::make_message(blob_atom::value, std::vector<char>(payload_bytes, 'z'));
+  auto finished = std::make_shared<bool>(false);
+  auto finish = [=](std::string err) {
+    if (*finished)
+      return;
+    *finished = true;
+    outcome o{std::move(err), {}};
+    st->summarize(o.values, payload_bytes);
+    done->set_value(std::move(o));
+    self->quit();
+  };
+  auto pump = [=] {
+    for (auto n = st->to_send(); n > 0; --n, ++st->sent)
+      self->send(srv, msg);
+  };
+  self->monitor(srv);
+  self->set_down_handler([=](caf::down_msg& d) {
+    finish("server went down: " + self->system().render(d.reason));
+  });
+  pump();
+  return {[=](pong_atom, uint64_t size) {
+    if (size != payload_bytes) {
+      finish("server got " + std::to_string(size) + " bytes");
+      return;
+    }
+    if (st->on_ack()) {
+      finish({});
+      return;
+    }
+    pump();
+  }};
+}
+
+int caf_client(const std::string& host, uint16_t port, const std::string& mode) {
+  if (mode != "lat" && mode != "bw" && mode != "all") {
+    std::fprintf(stderr, "caf-client: mode must be lat, bw or all\n");
+    return 2;
+  }
+  caf::actor_system_config cfg;
+  caf::actor_system sys{caf_config(cfg)};
+  caf::actor srv;
+  auto deadline = mono_ns() + 10'000'000'000;
+  std::string last;
+  while (!srv && mono_ns() < deadline) {
+    auto r = sys.middleman().remote_actor(host, port);
+    if (r) {
+      srv = *r;
+    } else {
+      last = sys.render(r.error());
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  if (!srv) {
+    std::fprintf(stderr, "caf-client: cannot reach %s:%u: %s\n", host.c_str(), port, last.c_str());
+    return 3;
+  }
+  params p;
+  std::string error;
+  results all;
+  auto run = [&](auto behavior_fn, const char* what, std::chrono::seconds limit) {
+    auto done = std::make_shared<std::promise<outcome>>();
+    auto f = done->get_future();
+    auto client = sys.spawn(
+      [=](caf::event_based_actor* self) { return behavior_fn(self, srv, p, done); });
+    auto o = await(f, limit, what);
+    caf::anon_send_exit(client, caf::exit_reason::user_shutdown);
+    if (!o.error.empty() && error.empty())
+      error = o.error;
+    all.insert(o.values.begin(), o.values.end());
+  };
+  if (mode != "bw")
+    run(caf_pinger, "caf latency", 60s);
+  if (mode != "lat" && error.empty())
+    run(caf_streamer, "caf bandwidth", 60s);
+  caf::anon_send(srv, bye_atom::value);
+  std::ostringstream text;
+  for (auto& [k, v] : all)
+    text << k << " " << v << "\n";
+  text << "done " << (error.empty() ? "ok" : error) << "\n";
+  if (auto path = env_string("CMESH_BENCH_OUT")) {
+    auto tmp = *path + ".tmp";
+    std::ofstream(tmp) << text.str();
+    std::filesystem::rename(tmp, *path);
+  } else {
+    std::fputs(text.str().c_str(), stdout);
+  }
+  // Let the bye leave before the middleman shuts down.
+  std::this_thread::sleep_for(100ms);
+  return error.empty() ? 0 : 1;
+}
+
+// -- driver ------------------------------------------------------------------------
+
+std::string self_exe() {
+  char buf[4096];
+  auto n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("cmesh_bench_transport");
+}
+
+/// Waits for every child, killing the ones still running after `limit`.
+void reap_all(std::vector<child_process>& kids, std::chrono::milliseconds limit) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  for (auto& k : kids) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      deadline - std::chrono::steady_clock::now());
+    if (!k.running())
+      continue;
+    if (!k.wait(std::max(left, std::chrono::milliseconds(1))))
+      k.kill_and_reap();
+  }
+}
+
+/// One cmesh pair with CMESH_SPIN_US = spin_us; results or an error text.
+outcome run_cmesh(int64_t spin_us, const std::string& mode) {
+  coordinator coord({"127.0.0.1", 0, 2});
+  if (auto e = coord.start())
+    return {"coordinator: " + describe(e), {}};
+  std::vector<child_process> kids;
+  auto cleanup = [&] {
+    coord.broadcast_shutdown(0, "benchmark over");
+    reap_all(kids, 5s);
+    coord.stop();
+  };
+  for (uint32_t r = 0; r < 2; ++r) {
+    std::string err;
+    auto c = child_process::spawn(
+      self_exe(), {"cmesh-node", mode},
+      {{"CMESH_COORDINATOR", "127.0.0.1:" + std::to_string(coord.port())},
+       {"CMESH_RANK", std::to_string(r)},
+       {"CMESH_WORLD_SIZE", "2"},
+       {"CMESH_SPIN_US", std::to_string(spin_us)}},
+      &err);
+    if (c.pid() <= 0) {
+      cleanup();
+      return {"spawn: " + err, {}};
+    }
+    kids.push_back(std::move(c));
+  }
+  // Rank 0 reports "done" last; poll so that a dead child fails fast.
+  auto deadline = std::chrono::steady_clock::now() + 150s;
+  std::optional<wire::report> done;
+  std::string error;
+  while (!done && error.empty()) {
+    done = coord.wait_report(
+      [](const wire::report& r) { return r.rank == 0 && r.key == "done"; }, 200ms);
+    if (done)
+      break;
+    for (size_t r = 0; r < kids.size(); ++r)
+      if (auto st = kids[r].poll())
+        error = "rank " + std::to_string(r) + " exited early: " + describe_wait_status(*st);
+    if (std::chrono::steady_clock::now() > deadline)
+      error = "no result within 150 s";
+  }
+  outcome o;
+  if (done && done->value != "ok")
+    error = done->value;
+  o.error = error;
+  for (auto& r : coord.reports())
+    if (r.rank == 0 && r.key != "done" && r.key != "ready")
+      o.values[r.key] = std::atof(r.value.c_str());
+  cleanup();
+  return o;
+}
+
+outcome run_caf(const std::string& mode) {
+  auto dir = std::filesystem::temp_directory_path()
+             / ("cmesh_bench_" + std::to_string(getpid()) + "_" + std::to_string(mono_ns()));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return {"cannot create " + dir.string() + ": " + ec.message(), {}};
+  auto port_file = (dir / "port").string();
+  auto out_file = (dir / "out").string();
+  std::vector<child_process> kids;
+  auto finish = [&](outcome o) {
+    reap_all(kids, 5s);
+    std::filesystem::remove_all(dir, ec);
+    return o;
+  };
+  std::string err;
+  kids.push_back(child_process::spawn(self_exe(), {"caf-server", "0"},
+                                      {{"CMESH_BENCH_PORT_FILE", port_file}}, &err));
+  if (kids.back().pid() <= 0)
+    return finish({"spawn caf-server: " + err, {}});
+  // Wait for the server's port.
+  std::string port;
+  for (auto deadline = mono_ns() + 15'000'000'000; port.empty();) {
+    if (std::filesystem::exists(port_file))
+      std::ifstream(port_file) >> port;
+    if (!port.empty())
+      break;
+    if (auto st = kids[0].poll())
+      return finish({"caf-server exited: " + describe_wait_status(*st), {}});
+    if (mono_ns() > deadline)
+      return finish({"caf-server did not publish within 15 s", {}});
+    std::this_thread::sleep_for(20ms);
+  }
+  kids.push_back(child_process::spawn(self_exe(), {"caf-client", "127.0.0.1", port, mode},
+                                      {{"CMESH_BENCH_OUT", out_file}}, &err));
+  if (kids.back().pid() <= 0)
+    return finish({"spawn caf-client: " + err, {}});
+  auto st = kids[1].wait(150s);
+  if (!st)
+    return finish({"caf-client did not finish within 150 s", {}});
+  outcome o;
+  std::ifstream in(out_file);
+  std::string key;
+  while (in >> key) {
+    if (key == "done") {
+      std::string rest;
+      std::getline(in, rest);
+      if (rest != " ok")
+        o.error = rest.empty() ? "caf-client failed" : rest.substr(1);
+    } else {
+      double v = 0;
+      in >> v;
+      o.values[key] = v;
+    }
+  }
+  if (o.values.empty() && o.error.empty())
+    o.error = "caf-client: " + describe_wait_status(*st) + ", no results";
+  return finish(o);
+}
+
+struct ucx_anchor {
+  std::string error;
+  std::map<std::string, double> values; // "plain tag_lat_us" -> x
+  std::vector<std::string> lines;
+};
+
+std::string anchor_path() {
+  if (auto p = env_string("CMESH_BENCH_UCX_ANCHOR"))
+    return *p;
+  // $(git rev-parse --show-toplevel)/../shared/anchors/ucx.sh, found without
+  // git: walk up from the binary (build/bin) and the working directory.
+  std::vector<std::filesystem::path> starts{self_exe_dir(), std::filesystem::current_path()};
+  for (auto dir : starts) {
+    for (int i = 0; i < 6 && !dir.empty(); ++i, dir = dir.parent_path()) {
+      if (std::filesystem::exists(dir / ".git")) {
+        auto p = dir.parent_path() / "shared" / "anchors" / "ucx.sh";
+        if (std::filesystem::exists(p))
+          return p.string();
+      }
+      if (dir == dir.parent_path())
+        break;
+    }
+  }
+  return "/work/shared/anchors/ucx.sh";
+}
+
+ucx_anchor run_ucx() {
+  ucx_anchor a;
+  auto path = anchor_path();
+  if (!std::filesystem::exists(path)) {
+    a.error = "anchor unavailable: " + path + " not found";
+    return a;
+  }
+  auto cmd = "timeout 150 bash '" + path + "' 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) {
+    a.error = "anchor unavailable: cannot run " + path;
+    return a;
+  }
+  char buf[1024];
+  while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
+    std::string line(buf);
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r'))
+      line.pop_back();
+    a.lines.push_back(line);
+    std::istringstream in(line);
+    std::string tool, mode, key, value;
+    if (in >> tool >> mode >> key >> value && tool == "ucx") {
+      char* end = nullptr;
+      double v = std::strtod(value.c_str(), &end);
+      if (end != value.c_str() && *end == '\0')
+        a.values[mode + " " + key] = v;
+    }
+  }
+  int st = ::pclose(pipe);
+  if (a.values.empty())
+    a.error = "anchor gave no figures (" + describe_wait_status(st)
+              + "; is ucx-utils installed? apt-get install -y ucx-utils)";
+  return a;
+}
+
+std::optional<double> get(const results& r, const std::string& key) {
+  auto i = r.find(key);
+  if (i == r.end() || !std::isfinite(i->second))
+    return std::nullopt;
+  return i->second;
+}
+
+std::string fmt_num(std::optional<double> v, int prec = 2) {
+  if (!v)
+    return "n/a";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", prec, *v);
+  return buf;
+}
+
+std::optional<double> ratio(std::optional<double> a, std::optional<double> b) {
+  if (!a || !b || *b == 0)
+    return std::nullopt;
+  return *a / *b;
+}
+
+std::vector<int64_t> spin_settings() {
+  std::vector<int64_t> out;
+  std::string text = env_string("CMESH_BENCH_SPINS").value_or("50,1000");
+  std::istringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty())
+      out.push_back(std::atoll(item.c_str()));
+  if (out.empty())
+    out = {50, 1000};
+  return out;
+}
+
+std::string spin_label(int64_t us) {
+  return us >= 1000 && us % 1000 == 0 ? std::to_string(us / 1000) + "ms"
+                                      : std::to_string(us) + "us";
+}
+
+int driver() {
+  params p;
+  auto spins = spin_settings();
+  std::printf("cmesh transport benchmark: 2 processes on this host, %u cores\n",
+              std::thread::hardware_concurrency());
+  std::printf("  latency: %llu round trips of 8-byte-class messages after %llu warm-up, one-way = RTT/2\n",
+              static_cast<unsigned long long>(p.lat_iters),
+              static_cast<unsigned long long>(p.lat_warmup));
+  std::printf("  bandwidth: 4 MiB messages, window %llu, %llu (cmesh) / %llu (CAF) after %llu warm-up\n",
+              static_cast<unsigned long long>(p.window), static_cast<unsigned long long>(p.bw_msgs),
+              static_cast<unsigned long long>(p.caf_bw_msgs),
+              static_cast<unsigned long long>(p.bw_warmup));
+  std::fflush(stdout);
+  int failures = 0;
+
+  struct cmesh_run {
+    int64_t spin_us;
+    outcome o;
+  };
+  std::vector<cmesh_run> cm;
+  for (auto s : spins) {
+    auto t0 = mono_ns();
+    auto o = run_cmesh(s, "all");
+    std::printf("  cmesh (CMESH_SPIN_US=%lld) done in %.1f s%s%s\n", static_cast<long long>(s),
+                static_cast<double>(mono_ns() - t0) / 1e9, o.error.empty() ? "" : ": ERROR ",
+                o.error.c_str());
+    std::fflush(stdout);
+    failures += !o.error.empty();
+    cm.push_back({s, std::move(o)});
+  }
+  auto t0 = mono_ns();
+  outcome caf;
+  if (env_string("CMESH_BENCH_SKIP_CAF").value_or("0") == "1") {
+    std::printf("  CAF TCP middleman skipped (CMESH_BENCH_SKIP_CAF=1)\n");
+  } else {
+    caf = run_caf("all");
+    std::printf("  CAF TCP middleman done in %.1f s%s%s\n",
+                static_cast<double>(mono_ns() - t0) / 1e9, caf.error.empty() ? "" : ": ERROR ",
+                caf.error.c_str());
+    failures += !caf.error.empty();
+  }
+  std::fflush(stdout);
+  ucx_anchor ucx;
+  if (env_string("CMESH_BENCH_SKIP_UCX").value_or("0") == "1") {
+    ucx.error = "anchor skipped (CMESH_BENCH_SKIP_UCX=1)";
+  } else {
+    t0 = mono_ns();
+    ucx = run_ucx();
+    std::printf("  raw UCX anchor done in %.1f s%s%s\n", static_cast<double>(mono_ns() - t0) / 1e9,
+                ucx.error.empty() ? "" : ": ", ucx.error.c_str());
+  }
+  auto ucx_get = [&](const std::string& k) -> std::optional<double> {
+    auto i = ucx.values.find(k);
+    return i == ucx.values.end() ? std::nullopt : std::optional<double>(i->second);
+  };
+
+  // -- the table --
+  auto lat_plain = ucx_get("plain tag_lat_us");
+  auto bw_plain = ucx_get("plain tag_bw_GBps");
+  std::vector<std::string> cols;
+  std::vector<std::optional<double>> lat_row, bw_row, p50_row, p99_row;
+  for (auto& c : cm) {
+    cols.push_back("cmesh spin " + spin_label(c.spin_us));
+    lat_row.push_back(get(c.o.values, "lat_us"));
+    bw_row.push_back(get(c.o.values, "bw_GBps"));
+    p50_row.push_back(get(c.o.values, "lat_p50_us"));
+    p99_row.push_back(get(c.o.values, "lat_p99_us"));
+  }
+  cols.insert(cols.end(), {"UCX plain", "UCX peer_err", "CAF TCP"});
+  lat_row.insert(lat_row.end(), {lat_plain, ucx_get("peer_err tag_lat_us"), get(caf.values, "lat_us")});
+  bw_row.insert(bw_row.end(), {bw_plain, ucx_get("peer_err tag_bw_GBps"), get(caf.values, "bw_GBps")});
+  p50_row.insert(p50_row.end(), {std::nullopt, std::nullopt, get(caf.values, "lat_p50_us")});
+  p99_row.insert(p99_row.end(), {std::nullopt, std::nullopt, get(caf.values, "lat_p99_us")});
+
+  std::printf("\n%-26s", "");
+  for (auto& c : cols)
+    std::printf(" %15s", c.c_str());
+  std::printf("\n");
+  auto row = [&](const char* name, const std::vector<std::optional<double>>& v) {
+    std::printf("%-26s", name);
+    for (auto& x : v)
+      std::printf(" %15s", fmt_num(x).c_str());
+    std::printf("\n");
+  };
+  row("latency (us, one-way)", lat_row);
+  row("  p50 (us, one-way)", p50_row);
+  row("  p99 (us, one-way)", p99_row);
+  row("bandwidth (GB/s, 4 MiB)", bw_row);
+
+  std::printf("\n%-26s %-16s %15s %18s %15s\n", "ratios", "cmesh setting", "cmesh/UCX-plain",
+              "goal", "cmesh vs CAF");
+  for (auto& c : cm) {
+    auto lat = get(c.o.values, "lat_us");
+    auto bw = get(c.o.values, "bw_GBps");
+    auto lr = ratio(lat, lat_plain);
+    auto br = ratio(bw, bw_plain);
+    auto lcaf = ratio(get(caf.values, "lat_us"), lat);
+    auto bcaf = ratio(bw, get(caf.values, "bw_GBps"));
+    auto mark = [](std::optional<double> r, bool ok) {
+      return r ? std::string(ok ? " (met)" : " (MISSED)") : std::string();
+    };
+    std::printf("%-26s %-16s %15s %18s %14sx\n", "latency", ("spin " + spin_label(c.spin_us)).c_str(),
+                fmt_num(lr).c_str(), ("<= 3" + mark(lr, lr && *lr <= 3.0)).c_str(),
+                fmt_num(lcaf, 1).c_str());
+    std::printf("%-26s %-16s %15s %18s %14sx\n", "bandwidth", ("spin " + spin_label(c.spin_us)).c_str(),
+                fmt_num(br).c_str(), (">= 0.8" + mark(br, br && *br >= 0.8)).c_str(),
+                fmt_num(bcaf, 1).c_str());
+  }
+  if (!ucx.error.empty())
+    std::printf("raw UCX: %s\n", ucx.error.c_str());
+
+  // -- machine-readable lines --
+  std::printf("\n");
+  for (auto& c : cm) {
+    std::string mode = c.spin_us == 50 ? "transport" : "transport_spin" + spin_label(c.spin_us);
+    for (const char* k : {"lat_us", "lat_p50_us", "lat_p99_us", "bw_GBps"})
+      std::printf("cmesh %s %s %s\n", mode.c_str(), k, fmt_num(get(c.o.values, k), 3).c_str());
+  }
+  for (const char* k : {"lat_us", "lat_p50_us", "lat_p99_us", "bw_GBps"})
+    std::printf("caf_tcp %s %s\n", k, fmt_num(get(caf.values, k), 3).c_str());
+  if (env_string("CMESH_BENCH_VERBOSE").value_or("0") == "1") {
+    for (auto& c : cm)
+      for (auto& [k, v] : c.o.values)
+        std::printf("detail cmesh_spin%s %s %.3f\n", spin_label(c.spin_us).c_str(), k.c_str(), v);
+    for (auto& [k, v] : caf.values)
+      std::printf("detail caf_tcp %s %.3f\n", k.c_str(), v);
+  }
+  if (ucx.lines.empty())
+    std::printf("ucx anchor unavailable: %s\n", ucx.error.c_str());
+  for (auto& l : ucx.lines)
+    std::printf("%s\n", l.c_str());
+  for (auto& c : cm) {
+    std::string sfx = "spin" + spin_label(c.spin_us);
+    auto lat = get(c.o.values, "lat_us");
+    auto bw = get(c.o.values, "bw_GBps");
+    std::printf("ratio %s cmesh_over_ucx_lat %s\n", sfx.c_str(), fmt_num(ratio(lat, lat_plain), 3).c_str());
+    std::printf("ratio %s cmesh_over_ucx_bw %s\n", sfx.c_str(), fmt_num(ratio(bw, bw_plain), 3).c_str());
+    std::printf("ratio %s caf_over_cmesh_lat %s\n", sfx.c_str(),
+                fmt_num(ratio(get(caf.values, "lat_us"), lat), 3).c_str());
+    std::printf("ratio %s cmesh_over_caf_bw %s\n", sfx.c_str(),
+                fmt_num(ratio(bw, get(caf.values, "bw_GBps")), 3).c_str());
+  }
+  std::fflush(stdout);
+  return failures == 0 ? 0 : 1;
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: cmesh_bench_transport [all]\n"
+               "       cmesh_bench_transport cmesh-node <lat|bw|all>\n"
+               "       cmesh_bench_transport caf-server <port>\n"
+               "       cmesh_bench_transport caf-client <host> <port> <lat|bw|all>\n");
+  return 2;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.empty() || (args.size() == 1 && args[0] == "all")) {
+      ::signal(SIGPIPE, SIG_IGN);
+      spdlog::set_level(spdlog::level::err); // the coordinator's join/leave chatter
+      return driver();
+    }
+    if (args[0] == "cmesh-node" && args.size() == 2)
+      return cmesh_node(args[1]);
+    if (args[0] == "caf-server" && args.size() == 2)
+      return caf_server(static_cast<uint16_t>(std::stoul(args[1])));
+    if (args[0] == "caf-client" && args.size() == 4)
+      return caf_client(args[1], static_cast<uint16_t>(std::stoul(args[2])), args[3]);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cmesh_bench_transport: %s\n", e.what());
+    return 2;
+  }
+  return usage();
+}

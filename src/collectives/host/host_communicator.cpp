@@ -1,0 +1,812 @@
+#include "collectives/host/host_communicator.hpp"
+
+#include "core/check.hpp"
+#include "core/env.hpp"
+#include "transport/bootstrap.hpp"
+#include "transport/ucx.hpp"
+
+#include <sched.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+namespace cmesh::coll {
+
+// -- context ---------------------------------------------------------------------
+
+struct host_context::impl {
+  uint32_t rank = 0;
+  ucx::worker_handle ucx;
+  std::mutex busy; // one communicator operation at a time on the worker
+};
+
+host_context::host_context() : impl_(std::make_unique<impl>()) {}
+host_context::~host_context() = default;
+
+expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank) {
+  std::shared_ptr<host_context> ctx(new host_context());
+  ctx->impl_->rank = rank;
+  if (auto err = ctx->impl_->ucx.init("cmesh-coll-" + std::to_string(rank)))
+    return err;
+  return ctx;
+}
+
+uint32_t host_context::rank() const {
+  return impl_->rank;
+}
+
+std::string host_context::address() const {
+  return impl_->ucx.address();
+}
+
+namespace {
+
+constexpr uint64_t slot_bits = 20;
+constexpr uint64_t src_bits = 16;
+constexpr uint64_t op_bits = 20;
+
+uint64_t make_tag(uint64_t epoch, uint64_t op, uint64_t src, uint64_t slot) {
+  CMESH_CHECK_LT(slot, uint64_t{1} << slot_bits);
+  return ((epoch & 0xff) << (slot_bits + src_bits + op_bits))
+         | ((op & ((uint64_t{1} << op_bits) - 1)) << (slot_bits + src_bits))
+         | ((src & ((uint64_t{1} << src_bits) - 1)) << slot_bits) | slot;
+}
+
+/// A contiguous run of elements: block i of a split, chunk c of a block.
+struct span_el {
+  size_t offset = 0;
+  size_t count = 0;
+};
+
+std::vector<span_el> blocks_of(const std::vector<size_t>& counts) {
+  std::vector<span_el> out(counts.size());
+  size_t off = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    out[i] = {off, counts[i]};
+    off += counts[i];
+  }
+  return out;
+}
+
+std::vector<size_t> even_split(size_t count, size_t n) {
+  std::vector<size_t> out(n, count / n);
+  for (size_t i = 0; i < count % n; ++i)
+    ++out[i];
+  return out;
+}
+
+span_el chunk_of(const span_el& block, size_t c, size_t chunk_elems) {
+  size_t lo = std::min(block.count, c * chunk_elems);
+  size_t hi = std::min(block.count, lo + chunk_elems);
+  return {block.offset + lo, hi - lo};
+}
+
+/// Sticky overflow marker of int64 sums (see dtype.hpp).
+bool has_overflow_marker(const void* buf, size_t count, dtype t, reduce_op op) {
+  if (t != dtype::int64 || op == reduce_op::max)
+    return false;
+  auto* p = static_cast<const int64_t*>(buf);
+  bool any = false;
+  for (size_t i = 0; i < count; ++i)
+    any |= p[i] == std::numeric_limits<int64_t>::min();
+  return any;
+}
+
+void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status);
+
+class host_comm final : public communicator {
+public:
+  host_comm(std::shared_ptr<host_context> ctx, membership m, size_t me, peer_status status,
+            host_options opts)
+      : ctx_(std::move(ctx)), m_(std::move(m)), me_(me), status_(std::move(status)), opts_(opts) {}
+
+  ~host_comm() override { close(); }
+
+  caf::error connect(const std::vector<std::string>& addresses);
+
+  const membership& members() const override { return m_; }
+  size_t index() const override { return me_; }
+
+  caf::error all_reduce(void* buf, size_t count, dtype t, reduce_op op,
+                        const op_options& o) override;
+  caf::error reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, dtype t,
+                            reduce_op op, const op_options& o) override;
+  caf::error all_gather(const void* in, void* out, const std::vector<size_t>& counts, dtype t,
+                        const op_options& o) override;
+  caf::error broadcast(void* buf, size_t count, dtype t, size_t root,
+                       const op_options& o) override;
+  caf::error all_to_allv(const void* in, const std::vector<size_t>& send_counts, void* out,
+                         const std::vector<size_t>& recv_counts, dtype t,
+                         const op_options& o) override;
+  caf::error barrier(const op_options& o) override;
+
+  void abort(caf::error reason) override {
+    {
+      std::lock_guard<std::mutex> g(mtx_);
+      if (!abort_reason_)
+        abort_reason_ = reason ? std::move(reason) : make_error(errc::aborted, "aborted");
+    }
+    aborted_ = true;
+  }
+
+  caf::error poisoned() const override {
+    std::lock_guard<std::mutex> g(mtx_);
+    return poison_;
+  }
+
+  void note_ep_error(size_t peer, ucs_status_t st) {
+    int expected = -1;
+    if (ep_failed_.compare_exchange_strong(expected, static_cast<int>(peer)))
+      ep_status_ = st;
+  }
+
+private:
+  // -- requests --------------------------------------------------------------------
+  struct req {
+    void* handle = nullptr;
+    bool done = true;
+    bool recv = false;
+    size_t peer = 0;
+  };
+  using req_id = size_t;
+
+  ucp_worker_h worker() const { return ctx_->internals().ucx.worker(); }
+  size_t n() const { return m_.size(); }
+  size_t left() const { return (me_ + n() - 1) % n(); }
+  size_t right() const { return (me_ + 1) % n(); }
+
+  req_id post(ucs_status_ptr_t r, bool recv, size_t peer, const char* what);
+  req_id isend(size_t peer, const void* buf, size_t bytes, uint64_t slot);
+  req_id irecv(size_t peer, void* buf, size_t bytes, uint64_t slot);
+  bool test(req_id id);
+  caf::error progress();
+  caf::error check_failures();
+  caf::error wait(req_id id);
+  caf::error wait_all();
+  caf::error fail(caf::error e);
+  void close();
+
+  // -- operation framing -------------------------------------------------------------
+  caf::error begin(const char* name, const op_options& o);
+  caf::error end(caf::error e);
+
+  // -- algorithms ------------------------------------------------------------------
+  caf::error recursive_doubling(uint8_t* buf, size_t count, dtype t, reduce_op op);
+  caf::error ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
+                                 const std::vector<span_el>& blocks, dtype t, reduce_op op);
+  caf::error ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t);
+  caf::error chain_broadcast(uint8_t* buf, size_t count, dtype t, size_t root);
+  size_t chunk_elems(dtype t) const { return std::max<size_t>(1, opts_.chunk_bytes / size_of(t)); }
+  uint8_t* staging(size_t bytes);
+
+  std::shared_ptr<host_context> ctx_;
+  membership m_;
+  size_t me_;
+  peer_status status_;
+  host_options opts_;
+  std::vector<ucp_ep_h> eps_;
+  std::vector<void*> closing_;
+
+  uint64_t op_seq_ = 0;
+  uint64_t tag_op_ = 0;
+  const char* op_name_ = "";
+  int64_t deadline_ns_ = 0;
+  int64_t timeout_ms_ = 0;
+  size_t waiting_on_ = 0;
+  uint64_t polls_ = 0;
+  uint64_t idle_polls_ = 0;
+  std::vector<req> reqs_;
+  std::vector<uint8_t> staging_;
+  std::unique_lock<std::mutex> busy_;
+
+  std::atomic<bool> aborted_{false};
+  std::atomic<int> ep_failed_{-1};
+  ucs_status_t ep_status_ = UCS_OK;
+  mutable std::mutex mtx_;
+  caf::error abort_reason_;
+  caf::error poison_;
+};
+
+struct ep_arg {
+  host_comm* comm;
+  size_t peer;
+};
+
+void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* a = static_cast<ep_arg*>(arg);
+  a->comm->note_ep_error(a->peer, status);
+}
+
+// Endpoint callback arguments live as long as the process might call them.
+std::vector<std::unique_ptr<ep_arg>>& ep_args() {
+  static std::vector<std::unique_ptr<ep_arg>> v;
+  return v;
+}
+
+caf::error host_comm::connect(const std::vector<std::string>& addresses) {
+  eps_.assign(n(), nullptr);
+  for (size_t i = 0; i < n(); ++i) {
+    if (i == me_)
+      continue;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                    | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(addresses[i].data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    auto arg = std::make_unique<ep_arg>(ep_arg{this, i});
+    ep.err_handler.cb = on_ep_error;
+    ep.err_handler.arg = arg.get();
+    ep_args().push_back(std::move(arg));
+    UCS_CHECK(ucp_ep_create(worker(), &ep, &eps_[i]));
+  }
+  return {};
+}
+
+void host_comm::close() {
+  std::lock_guard<std::mutex> g(ctx_->internals().busy);
+  for (auto& r : reqs_) {
+    if (r.handle != nullptr && !r.done) {
+      if (r.recv)
+        ucp_request_cancel(worker(), r.handle);
+      ucp_request_free(r.handle);
+    }
+  }
+  reqs_.clear();
+  for (auto& ep : eps_) {
+    if (ep == nullptr)
+      continue;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    auto r = ucp_ep_close_nbx(ep, &prm);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r))
+      closing_.push_back(r);
+    ep = nullptr;
+  }
+  auto deadline = mono_ns() + 200 * 1000000LL; // a dead peer may never let a close finish
+  while (!closing_.empty() && mono_ns() < deadline) {
+    ucp_worker_progress(worker());
+    std::erase_if(closing_, [](void* r) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS)
+        return false;
+      ucp_request_free(r);
+      return true;
+    });
+  }
+  for (auto* r : closing_)
+    ucp_request_free(r);
+  closing_.clear();
+  // Forget the callbacks' target: a late endpoint error must not touch us.
+  for (auto& a : ep_args())
+    if (a && a->comm == this)
+      a->comm = nullptr;
+}
+
+// -- requests ----------------------------------------------------------------------
+
+host_comm::req_id host_comm::post(ucs_status_ptr_t r, bool recv, size_t peer, const char* what) {
+  req q;
+  q.recv = recv;
+  q.peer = peer;
+  if (r == nullptr) {
+    q.done = true;
+  } else if (UCS_PTR_IS_ERR(r)) {
+    q.done = true;
+    note_ep_error(peer, UCS_PTR_STATUS(r));
+    spdlog::debug("{} to index {} failed at once: {}", what, peer,
+                  ucs_status_string(UCS_PTR_STATUS(r)));
+  } else {
+    q.done = false;
+    q.handle = r;
+  }
+  reqs_.push_back(q);
+  return reqs_.size() - 1;
+}
+
+host_comm::req_id host_comm::isend(size_t peer, const void* buf, size_t bytes, uint64_t slot) {
+  ucp_request_param_t prm{};
+  auto r = ucp_tag_send_nbx(eps_[peer], buf, bytes, make_tag(m_.epoch, tag_op_, me_, slot), &prm);
+  return post(r, false, peer, "send");
+}
+
+host_comm::req_id host_comm::irecv(size_t peer, void* buf, size_t bytes, uint64_t slot) {
+  ucp_request_param_t prm{};
+  auto r = ucp_tag_recv_nbx(worker(), buf, bytes, make_tag(m_.epoch, tag_op_, peer, slot),
+                            ~uint64_t{0}, &prm);
+  return post(r, true, peer, "receive");
+}
+
+bool host_comm::test(req_id id) {
+  auto& q = reqs_[id];
+  if (q.done)
+    return true;
+  auto st = ucp_request_check_status(q.handle);
+  if (st == UCS_INPROGRESS) {
+    waiting_on_ = q.peer;
+    return false;
+  }
+  ucp_request_free(q.handle);
+  q.handle = nullptr;
+  q.done = true;
+  if (st != UCS_OK)
+    note_ep_error(q.peer, st);
+  return true;
+}
+
+caf::error host_comm::progress() {
+  if (ucp_worker_progress(worker()) == 0 && ++idle_polls_ % opts_.spin_before_yield == 0)
+    sched_yield(); // an oversubscribed machine needs the core for the peer
+  if ((++polls_ & 63) != 0 && !aborted_.load(std::memory_order_relaxed)
+      && ep_failed_.load(std::memory_order_relaxed) < 0)
+    return {};
+  return check_failures();
+}
+
+caf::error host_comm::check_failures() {
+  if (aborted_) {
+    std::lock_guard<std::mutex> g(mtx_);
+    return abort_reason_;
+  }
+  if (int i = ep_failed_.load(); i >= 0) {
+    // Prefer the failure detector's reason (it knows a death from a hang).
+    if (status_)
+      if (auto e = status_(m_.ranks[i]))
+        return make_error(code_of(e) == errc::ok ? errc::peer_lost : code_of(e),
+                          "rank " + std::to_string(m_.ranks[i]) + ": " + describe(e));
+    return make_error(errc::peer_lost, "rank " + std::to_string(m_.ranks[i]) + ": "
+                                         + ucs_status_string(ep_status_));
+  }
+  if (status_) {
+    for (size_t i = 0; i < n(); ++i) {
+      if (i == me_)
+        continue;
+      if (auto e = status_(m_.ranks[i])) {
+        auto c = code_of(e);
+        return make_error(c == errc::peer_unresponsive ? c : errc::peer_lost,
+                          "rank " + std::to_string(m_.ranks[i]) + ": " + describe(e));
+      }
+    }
+  }
+  if (mono_ns() > deadline_ns_)
+    return make_error(errc::timeout, std::string(op_name_) + " timed out after "
+                                       + std::to_string(timeout_ms_) + " ms waiting on rank "
+                                       + std::to_string(m_.ranks[waiting_on_]));
+  return {};
+}
+
+caf::error host_comm::wait(req_id id) {
+  while (!test(id))
+    if (auto e = progress())
+      return e;
+  if (ep_failed_.load() >= 0) // it completed with an error
+    return check_failures();
+  return {};
+}
+
+caf::error host_comm::wait_all() {
+  for (req_id i = 0; i < reqs_.size(); ++i)
+    if (auto e = wait(i))
+      return e;
+  reqs_.clear();
+  return {};
+}
+
+caf::error host_comm::fail(caf::error e) {
+  for (auto& r : reqs_) {
+    if (r.handle != nullptr && !r.done) {
+      if (r.recv)
+        ucp_request_cancel(worker(), r.handle);
+      ucp_request_free(r.handle); // released by UCX once it completes
+      r.handle = nullptr;
+      r.done = true;
+    }
+  }
+  reqs_.clear();
+  std::lock_guard<std::mutex> g(mtx_);
+  if (!poison_)
+    poison_ = e;
+  return e;
+}
+
+uint8_t* host_comm::staging(size_t bytes) {
+  if (staging_.size() < bytes)
+    staging_.resize(bytes);
+  return staging_.data();
+}
+
+// -- operation framing -----------------------------------------------------------------
+
+caf::error host_comm::begin(const char* name, const op_options& o) {
+  if (auto p = poisoned())
+    return make_error(errc::poisoned, std::string(name) + " on a poisoned communicator ("
+                                        + describe(p) + "); rebuild it for a new epoch");
+  if (aborted_) {
+    std::lock_guard<std::mutex> g(mtx_);
+    poison_ = abort_reason_;
+    return abort_reason_;
+  }
+  busy_ = std::unique_lock<std::mutex>(ctx_->internals().busy);
+  op_name_ = name;
+  tag_op_ = op_seq_++;
+  timeout_ms_ = o.timeout.count();
+  deadline_ns_ = mono_ns() + timeout_ms_ * 1000000;
+  polls_ = 0;
+  reqs_.clear();
+  return {};
+}
+
+caf::error host_comm::end(caf::error e) {
+  // An overflow is a property of the data, not of the group: finish the
+  // protocol and stay usable. Anything else poisons.
+  if (!e || code_of(e) == errc::overflow) {
+    if (auto w = wait_all())
+      e = w;
+  }
+  if (e && code_of(e) != errc::overflow)
+    fail(e);
+  busy_.unlock();
+  return e;
+}
+
+// -- algorithms ----------------------------------------------------------------------
+
+caf::error host_comm::recursive_doubling(uint8_t* buf, size_t count, dtype t, reduce_op op) {
+  const size_t bytes = count * size_of(t);
+  uint8_t* tmp = staging(bytes);
+  const size_t p = size_t{1} << (63 - __builtin_clzll(n()));
+  const size_t extra = n() - p;
+  bool overflow = false;
+  // Fold: in the first 2*extra members, even ones hand their data to the odd.
+  long vidx = -1;
+  if (me_ < 2 * extra) {
+    if (me_ % 2 == 0) {
+      if (auto e = wait(isend(me_ + 1, buf, bytes, 0)))
+        return e;
+    } else {
+      if (auto e = wait(irecv(me_ - 1, tmp, bytes, 0)))
+        return e;
+      overflow |= !reduce_into(buf, tmp, count, t, op);
+      vidx = static_cast<long>(me_ / 2);
+    }
+  } else {
+    vidx = static_cast<long>(me_ - extra);
+  }
+  if (vidx >= 0) {
+    uint64_t slot = 1;
+    for (size_t mask = 1; mask < p; mask <<= 1, ++slot) {
+      size_t vpartner = static_cast<size_t>(vidx) ^ mask;
+      size_t partner = vpartner < extra ? vpartner * 2 + 1 : vpartner + extra;
+      auto s = isend(partner, buf, bytes, slot);
+      auto r = irecv(partner, tmp, bytes, slot);
+      if (auto e = wait(r))
+        return e;
+      if (auto e = wait(s))
+        return e;
+      overflow |= !reduce_into(buf, tmp, count, t, op);
+    }
+  }
+  if (me_ < 2 * extra) {
+    auto e = me_ % 2 == 1 ? wait(isend(me_ - 1, buf, bytes, 63))
+                          : wait(irecv(me_ + 1, buf, bytes, 63));
+    if (e)
+      return e;
+  }
+  (void)overflow; // carried by the sticky marker in the data itself
+  return {};
+}
+
+caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
+                                          const std::vector<span_el>& blocks, dtype t,
+                                          reduce_op op) {
+  const size_t es = size_of(t);
+  const size_t ce = chunk_elems(t);
+  size_t max_block = 0;
+  for (auto& b : blocks)
+    max_block = std::max(max_block, b.count);
+  const size_t nchunks = std::max<size_t>(1, (max_block + ce - 1) / ce);
+  const size_t steps = n() - 1;
+  const size_t window = std::min(nchunks, std::max<size_t>(2, n()));
+  uint8_t* pool = staging(2 * window * ce * es);
+  auto block_sent = [&](size_t s) { return (me_ + 2 * n() - s - 1) % n(); };
+  auto block_recv = [&](size_t s) { return (me_ + 2 * n() - s - 2) % n(); };
+
+  struct lane_state {
+    size_t chunk = 0;
+    size_t step = 0;
+    req_id recv = 0;
+    req_id send = 0;
+    uint8_t* slot_recv = nullptr;
+    uint8_t* slot_send = nullptr;
+    bool active = false;
+  };
+  std::vector<lane_state> lanes(window);
+  size_t next_chunk = 0;
+  size_t finished = 0;
+  auto start = [&](lane_state& L, size_t w) {
+    L = {};
+    L.chunk = next_chunk++;
+    L.slot_recv = pool + (2 * w) * ce * es;
+    L.slot_send = pool + (2 * w + 1) * ce * es;
+    auto sc = chunk_of(blocks[block_sent(0)], L.chunk, ce);
+    L.send = isend(right(), in + sc.offset * es, sc.count * es, L.chunk);
+    auto rc = chunk_of(blocks[block_recv(0)], L.chunk, ce);
+    L.recv = irecv(left(), L.slot_recv, rc.count * es, L.chunk);
+    L.active = true;
+  };
+  for (size_t w = 0; w < window; ++w)
+    start(lanes[w], w);
+  while (finished < nchunks) {
+    if (auto e = progress())
+      return e;
+    for (size_t w = 0; w < window; ++w) {
+      auto& L = lanes[w];
+      if (!L.active || !test(L.recv))
+        continue;
+      auto rc = chunk_of(blocks[block_recv(L.step)], L.chunk, ce);
+      (void)reduce_into(L.slot_recv, in + rc.offset * es, rc.count, t, op);
+      if (auto e = wait(L.send))
+        return e;
+      if (L.step + 1 == steps) {
+        // The block received at the last step is this member's own.
+        auto own = chunk_of(blocks[me_], L.chunk, ce);
+        std::memcpy(out_own + (own.offset - blocks[me_].offset) * es, L.slot_recv,
+                    own.count * es);
+        L.active = false;
+        ++finished;
+        if (next_chunk < nchunks)
+          start(L, w);
+        continue;
+      }
+      std::swap(L.slot_recv, L.slot_send);
+      ++L.step;
+      uint64_t slot = L.step * nchunks + L.chunk;
+      L.send = isend(right(), L.slot_send, rc.count * es, slot);
+      auto nrc = chunk_of(blocks[block_recv(L.step)], L.chunk, ce);
+      L.recv = irecv(left(), L.slot_recv, nrc.count * es, slot);
+    }
+  }
+  return wait_all();
+}
+
+caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t) {
+  const size_t es = size_of(t);
+  const size_t ce = chunk_elems(t);
+  size_t max_block = 0;
+  for (auto& b : blocks)
+    max_block = std::max(max_block, b.count);
+  const size_t nchunks = std::max<size_t>(1, (max_block + ce - 1) / ce);
+  const size_t steps = n() - 1;
+  auto block_sent = [&](size_t s) { return (me_ + n() - s % n()) % n(); };
+  auto block_recv = [&](size_t s) { return (me_ + 2 * n() - s - 1) % n(); };
+  // Receives land in the output, so every chunk's chain runs at once.
+  std::vector<size_t> step(nchunks, 0);
+  std::vector<req_id> recv(nchunks);
+  for (size_t c = 0; c < nchunks; ++c) {
+    auto sc = chunk_of(blocks[block_sent(0)], c, ce);
+    isend(right(), out + sc.offset * es, sc.count * es, c);
+    auto rc = chunk_of(blocks[block_recv(0)], c, ce);
+    recv[c] = irecv(left(), out + rc.offset * es, rc.count * es, c);
+  }
+  size_t finished = 0;
+  while (finished < nchunks) {
+    if (auto e = progress())
+      return e;
+    for (size_t c = 0; c < nchunks; ++c) {
+      if (step[c] == steps || !test(recv[c]))
+        continue;
+      if (++step[c] == steps) {
+        ++finished;
+        continue;
+      }
+      // Forward what just arrived, and receive the next block.
+      uint64_t slot = step[c] * nchunks + c;
+      auto sc = chunk_of(blocks[block_sent(step[c])], c, ce);
+      isend(right(), out + sc.offset * es, sc.count * es, slot);
+      auto rc = chunk_of(blocks[block_recv(step[c])], c, ce);
+      recv[c] = irecv(left(), out + rc.offset * es, rc.count * es, slot);
+    }
+  }
+  return wait_all();
+}
+
+caf::error host_comm::chain_broadcast(uint8_t* buf, size_t count, dtype t, size_t root) {
+  const size_t es = size_of(t);
+  const size_t bytes = count * es;
+  const size_t pos = (me_ + n() - root) % n();
+  if (bytes <= opts_.small_bytes_max) {
+    if (pos == 0) {
+      for (size_t i = 0; i < n(); ++i)
+        if (i != me_)
+          isend(i, buf, bytes, 0);
+      return wait_all();
+    }
+    return wait(irecv(root, buf, bytes, 0));
+  }
+  const size_t ce = chunk_elems(t);
+  const size_t nchunks = (count + ce - 1) / ce;
+  const bool last = pos == n() - 1;
+  span_el all{0, count};
+  if (pos == 0) {
+    for (size_t c = 0; c < nchunks; ++c) {
+      auto ch = chunk_of(all, c, ce);
+      isend(right(), buf + ch.offset * es, ch.count * es, c);
+    }
+    return wait_all();
+  }
+  std::vector<req_id> recv(nchunks);
+  for (size_t c = 0; c < nchunks; ++c) {
+    auto ch = chunk_of(all, c, ce);
+    recv[c] = irecv(left(), buf + ch.offset * es, ch.count * es, c);
+  }
+  for (size_t c = 0; c < nchunks; ++c) {
+    if (auto e = wait(recv[c]))
+      return e;
+    if (!last) {
+      auto ch = chunk_of(all, c, ce);
+      isend(right(), buf + ch.offset * es, ch.count * es, c);
+    }
+  }
+  return wait_all();
+}
+
+// -- operations ---------------------------------------------------------------------
+
+caf::error host_comm::all_reduce(void* buf, size_t count, dtype t, reduce_op op,
+                                 const op_options& o) {
+  if (auto e = begin("all_reduce", o))
+    return e;
+  auto* b = static_cast<uint8_t*>(buf);
+  caf::error e;
+  if (n() > 1 && count > 0) {
+    if (count * size_of(t) <= opts_.small_bytes_max || count < n()) {
+      e = recursive_doubling(b, count, t, op);
+      if (!e && op == reduce_op::avg)
+        scale_down(b, count, t, n());
+    } else {
+      auto blocks = blocks_of(even_split(count, n()));
+      auto own = blocks[me_];
+      e = ring_reduce_scatter(b, b + own.offset * size_of(t), blocks, t, op);
+      if (!e && op == reduce_op::avg)
+        scale_down(b + own.offset * size_of(t), own.count, t, n());
+      if (!e)
+        e = ring_all_gather(b, blocks, t);
+    }
+  } else if (op == reduce_op::avg) {
+    scale_down(b, count, t, n());
+  }
+  if (!e && has_overflow_marker(buf, count, t, op))
+    e = make_error(errc::overflow, "int64 all_reduce overflowed");
+  return end(std::move(e));
+}
+
+caf::error host_comm::reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts,
+                                     dtype t, reduce_op op, const op_options& o) {
+  if (counts.size() != n())
+    return make_error(errc::invalid_argument, "reduce_scatter needs one count per member");
+  if (auto e = begin("reduce_scatter", o))
+    return e;
+  auto blocks = blocks_of(counts);
+  auto own = blocks[me_];
+  const size_t es = size_of(t);
+  caf::error e;
+  if (n() == 1)
+    std::memcpy(out, static_cast<const uint8_t*>(in) + own.offset * es, own.count * es);
+  else
+    e = ring_reduce_scatter(static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out), blocks,
+                            t, op);
+  if (!e && op == reduce_op::avg)
+    scale_down(out, own.count, t, n());
+  if (!e && has_overflow_marker(out, own.count, t, op))
+    e = make_error(errc::overflow, "int64 reduce_scatter overflowed");
+  return end(std::move(e));
+}
+
+caf::error host_comm::all_gather(const void* in, void* out, const std::vector<size_t>& counts,
+                                 dtype t, const op_options& o) {
+  if (counts.size() != n())
+    return make_error(errc::invalid_argument, "all_gather needs one count per member");
+  if (auto e = begin("all_gather", o))
+    return e;
+  auto blocks = blocks_of(counts);
+  const size_t es = size_of(t);
+  auto* o8 = static_cast<uint8_t*>(out);
+  if (o8 + blocks[me_].offset * es != in)
+    std::memmove(o8 + blocks[me_].offset * es, in, blocks[me_].count * es);
+  caf::error e;
+  if (n() > 1)
+    e = ring_all_gather(o8, blocks, t);
+  return end(std::move(e));
+}
+
+caf::error host_comm::broadcast(void* buf, size_t count, dtype t, size_t root,
+                                const op_options& o) {
+  if (root >= n())
+    return make_error(errc::invalid_argument, "broadcast root " + std::to_string(root)
+                                                + " is not a member index");
+  if (auto e = begin("broadcast", o))
+    return e;
+  caf::error e;
+  if (n() > 1)
+    e = chain_broadcast(static_cast<uint8_t*>(buf), count, t, root);
+  return end(std::move(e));
+}
+
+caf::error host_comm::all_to_allv(const void* in, const std::vector<size_t>& send_counts,
+                                  void* out, const std::vector<size_t>& recv_counts, dtype t,
+                                  const op_options& o) {
+  if (send_counts.size() != n() || recv_counts.size() != n())
+    return make_error(errc::invalid_argument, "all_to_allv needs one count per member");
+  if (send_counts[me_] != recv_counts[me_])
+    return make_error(errc::invalid_argument, "all_to_allv: own send and receive counts differ");
+  if (auto e = begin("all_to_allv", o))
+    return e;
+  const size_t es = size_of(t);
+  auto sb = blocks_of(send_counts);
+  auto rb = blocks_of(recv_counts);
+  auto* i8 = static_cast<const uint8_t*>(in);
+  auto* o8 = static_cast<uint8_t*>(out);
+  for (size_t j = 0; j < n(); ++j)
+    if (j != me_)
+      irecv(j, o8 + rb[j].offset * es, rb[j].count * es, 0);
+  for (size_t k = 1; k < n(); ++k) {
+    size_t j = (me_ + k) % n(); // staggered, so not everyone sends to 0 first
+    isend(j, i8 + sb[j].offset * es, sb[j].count * es, 0);
+  }
+  std::memmove(o8 + rb[me_].offset * es, i8 + sb[me_].offset * es, sb[me_].count * es);
+  return end({});
+}
+
+caf::error host_comm::barrier(const op_options& o) {
+  int64_t token = 0;
+  return all_reduce(&token, 1, dtype::int64, reduce_op::max, o);
+}
+
+} // namespace
+
+// -- construction ------------------------------------------------------------------
+
+expected<std::unique_ptr<communicator>> make_host_communicator(
+  std::shared_ptr<host_context> ctx, membership members, const std::vector<std::string>& addresses,
+  peer_status status, host_options opts) {
+  if (members.size() == 0 || members.size() >= (size_t{1} << src_bits))
+    return make_error(errc::invalid_argument, "membership of "
+                                                + std::to_string(members.size()) + " ranks");
+  auto me = members.index_of(ctx->rank());
+  if (me == members.size())
+    return make_error(errc::invalid_argument,
+                      "rank " + std::to_string(ctx->rank()) + " is not a member");
+  if (addresses.size() != members.size())
+    return make_error(errc::invalid_argument, "one address per member needed");
+  auto c = std::make_unique<host_comm>(std::move(ctx), std::move(members), me, std::move(status),
+                                       opts);
+  if (auto e = c->connect(addresses))
+    return e;
+  return std::unique_ptr<communicator>(std::move(c));
+}
+
+expected<std::unique_ptr<communicator>> make_host_communicator(
+  std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
+  peer_status status, host_options opts) {
+  auto ns = "epoch/" + std::to_string(members.epoch) + "/host/";
+  auto mine = ctx->address();
+  if (auto e = coordinator.kv_put(ns + std::to_string(ctx->rank()),
+                                  wire::bytes(mine.begin(), mine.end())))
+    return e;
+  std::vector<std::string> addresses(members.size());
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members.ranks[i] == ctx->rank()) {
+      addresses[i] = mine;
+      continue;
+    }
+    auto a = coordinator.kv_get(ns + std::to_string(members.ranks[i]), opts.rendezvous_timeout);
+    if (!a)
+      return a.error();
+    addresses[i].assign(a->begin(), a->end());
+  }
+  return make_host_communicator(std::move(ctx), std::move(members), addresses, std::move(status),
+                                opts);
+}
+
+} // namespace cmesh::coll

@@ -1,0 +1,79 @@
+// The host backend: collectives over CPU buffers, between processes, over
+// UCX (shared memory and CMA on one machine, the network elsewhere).
+//
+// Algorithms. all_reduce: recursive doubling (with the usual fold for a
+// non-power-of-two count) up to small_bytes_max; above it, a ring
+// reduce-scatter then a ring all-gather. The ring is pipelined per chunk:
+// every chunk moves through the ring's steps on its own, so transfers of
+// some chunks overlap the reduction of others, and the staging memory is
+// 2 x window x chunk_bytes whatever the buffer's size (window = number of
+// members, at least 2). all_gather receives straight into the output (no
+// staging), broadcast is a pipelined chain from the root, all_to_allv posts
+// every pairwise transfer at once (UCX rendezvous moves the data).
+//
+// Failure: see communicator.hpp. A member lost is noticed through the
+// process's failure detector (peer_status, usually the transport's
+// heartbeats and endpoint errors) and through this communicator's own
+// endpoint errors; the error names the rank. The communicator is poisoned.
+//
+// Each process keeps one host_context (a UCP worker) for all epochs; a new
+// epoch's communicator exchanges worker addresses through the coordinator's
+// key/value store under "epoch/<id>/host/<rank>".
+#pragma once
+
+#include "collectives/communicator.hpp"
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace cmesh {
+class coordinator_client;
+}
+
+namespace cmesh::coll {
+
+/// Why a global rank can no longer take part (none while it can).
+using peer_status = std::function<caf::error(uint32_t rank)>;
+
+struct host_options {
+  size_t chunk_bytes = 512 * 1024;
+  size_t small_bytes_max = 64 * 1024; // recursive doubling up to here
+  int64_t spin_before_yield = 2000;   // idle polls before yielding the core
+  std::chrono::milliseconds rendezvous_timeout{30000};
+};
+
+/// One UCP worker for the collectives of this process.
+class host_context {
+public:
+  static expected<std::shared_ptr<host_context>> create(uint32_t rank);
+  ~host_context();
+
+  uint32_t rank() const;
+  /// The worker's address, published for every epoch.
+  std::string address() const;
+
+  struct impl;
+  impl& internals() { return *impl_; }
+
+private:
+  host_context();
+  std::unique_ptr<impl> impl_;
+};
+
+/// Builds the communicator of `members` (this rank must be one): publishes
+/// this worker's address under the epoch's namespace, reads the others' and
+/// connects. Errors: invalid_argument, timeout (a member never published),
+/// closed (coordinator lost), transport_failure.
+expected<std::unique_ptr<communicator>> make_host_communicator(
+  std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
+  peer_status status, host_options opts = {});
+
+/// The same from addresses already known (index-aligned with members.ranks;
+/// this rank's entry is ignored). For tests and for callers with their own
+/// rendezvous.
+expected<std::unique_ptr<communicator>> make_host_communicator(
+  std::shared_ptr<host_context> ctx, membership members, const std::vector<std::string>& addresses,
+  peer_status status, host_options opts = {});
+
+} // namespace cmesh::coll
