@@ -11,9 +11,12 @@
 # has the verdicts and the interesting numbers. Exit status: 0 when every step
 # passed (and the GPU was really used), 1 otherwise.
 #
-# Environment: CMESH_DEVICE_CHECK_FULL_BUILD=1 builds every target (slower),
-# NCCL_DEBUG=INFO makes NCCL verbose in the multi-process test, CMESH_SEED
-# replays a seed, JOBS overrides -j16.
+# Environment: CMESH_DEVICE_CHECK_BUDGET (seconds, default 450) bounds the
+# whole run: each step's limit is cut to what is left, and a step with less
+# than 20 s left is skipped (and counts as a failure).
+# CMESH_DEVICE_CHECK_FULL_BUILD=1 builds every target (slower), NCCL_DEBUG=INFO
+# makes NCCL verbose in the multi-process test, CMESH_SEED replays a seed,
+# JOBS overrides -j16.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +25,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 BUILD=build-gpu
 JOBS=${JOBS:-16}
+DEADLINE=$((SECONDS + ${CMESH_DEVICE_CHECK_BUDGET:-450}))
 : >"$OUT/summary.txt"
 failed=0
 
@@ -32,6 +36,13 @@ log() { echo "[device_check $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; 
 step() {
   local name=$1 limit=$2
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    log "skip $name: the time budget is spent"
+    failed=1
+    return 125
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   log "start $name (limit ${limit} s): $*"
   local t0=$SECONDS
   timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -57,29 +68,29 @@ environment() {
   env | grep -E '^(CUDA|NCCL|CMESH)_' || true
 }
 
-step environment 60 environment
+export -f environment
+step environment 30 bash -c environment
 
-if step configure 180 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
+if step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
   if ! grep -q 'CMESH_WITH_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt" \
      || ! grep -q 'cmesh: CUDA kernels ON, NCCL backend ON' "$OUT/configure.log"; then
     log "configure: CUDA or NCCL not found; the GPU checks cannot run"
     failed=1
   fi
   if [ "${CMESH_DEVICE_CHECK_FULL_BUILD:-0}" = 1 ]; then
-    step build 420 cmake --build "$BUILD" -j"$JOBS"
+    step build 330 cmake --build "$BUILD" -j"$JOBS"
   else
-    step build 330 cmake --build "$BUILD" -j"$JOBS" --target \
+    step build 270 cmake --build "$BUILD" -j"$JOBS" --target \
       test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl
   fi
   build_rc=$?
 
   if [ "$build_rc" -eq 0 ]; then
     # One process, one GPU: the kernels and the NCCL wrapper.
-    step unit_tests 180 ctest --test-dir "$BUILD" -R '^(kernels|collectives_nccl)$' \
-      --output-on-failure -V --timeout 170
+    step unit_tests 90 ctest --test-dir "$BUILD" -R '^(kernels|collectives_nccl)$' \
+      --output-on-failure -V
     # Several processes sharing the GPU.
-    step mp_nccl 330 ctest --test-dir "$BUILD" -R '^mp_nccl$' --output-on-failure -V \
-      --timeout 320
+    step mp_nccl 300 ctest --test-dir "$BUILD" -R '^mp_nccl$' --output-on-failure -V
   fi
   cp -f "$BUILD/Testing/Temporary/LastTest.log" "$OUT/ctest-LastTest.log" 2>/dev/null || true
 fi

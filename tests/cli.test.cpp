@@ -1,42 +1,12 @@
 // The cmesh command as a user runs it: real processes, exit codes, output.
 #include "node_harness.hpp"
 
-#include <fstream>
-#include <sstream>
-
-#include <unistd.h>
 
 using namespace cmesh;
 using namespace cmesh::testing;
 using namespace std::chrono_literals;
 
 namespace {
-
-struct run_result {
-  int exit_code = -1;
-  std::string output; // stdout and stderr together
-  std::chrono::milliseconds took{0};
-};
-
-run_result run_cmesh(const std::string& args, const std::vector<std::pair<std::string, std::string>>& env = {},
-                     std::chrono::seconds timeout = 120s) {
-  auto out_path = "/tmp/cmesh_cli_test_" + std::to_string(getpid()) + ".out";
-  auto cmd = bin_dir() + "/cmesh " + args + " >" + out_path + " 2>&1";
-  auto t0 = std::chrono::steady_clock::now();
-  auto c = child_process::spawn("/bin/sh", {"-c", cmd}, env);
-  REQUIRE(c.pid() > 0);
-  auto st = c.wait(timeout);
-  run_result r;
-  r.took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
-  REQUIRE_MESSAGE(st.has_value(), "cmesh " << args << " did not finish within " << timeout.count() << " s");
-  r.exit_code = exit_code_of(*st);
-  std::ifstream in(out_path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  r.output = ss.str();
-  std::remove(out_path.c_str());
-  return r;
-}
 
 size_t count_lines(const std::string& s) {
   return static_cast<size_t>(std::count(s.begin(), s.end(), '\n'));
@@ -56,7 +26,7 @@ TEST_CASE("cmesh --help and version") {
 }
 
 TEST_CASE("a bad flag is a one-line error and exit 2") {
-  auto r = run_cmesh("launch -n 2 --no-such-flag");
+  auto r = run_cmesh("launch -n 2 --job ring --no-such-flag");
   CHECK(r.exit_code == 2);
   CHECK(count_lines(r.output) == 1);
   CHECK(r.output.find("error") != std::string::npos);
@@ -88,7 +58,7 @@ TEST_CASE("a worker that cannot reach its coordinator fails within its timeout")
 }
 
 TEST_CASE("cmesh launch -n 4 passes the token and exits 0") {
-  auto r = run_cmesh("launch -n 4 --laps 5");
+  auto r = run_cmesh("launch -n 4 --job ring --laps 5");
   INFO(r.output);
   CHECK(r.exit_code == 0);
   for (int rank = 0; rank < 4; ++rank)
@@ -109,7 +79,7 @@ TEST_CASE("cmesh coordinator and workers started by hand, as under mpirun or sru
   std::vector<child_process> workers;
   for (int r = 0; r < 2; ++r)
     workers.push_back(child_process::spawn(
-      bin_dir() + "/cmesh", {"worker", "--laps", "2"},
+      bin_dir() + "/cmesh", {"worker", "--job", "ring", "--laps", "2"},
       {{"CMESH_COORDINATOR", "127.0.0.1:" + std::to_string(port)},
        {"OMPI_COMM_WORLD_RANK", std::to_string(r)},
        {"OMPI_COMM_WORLD_SIZE", "2"},

@@ -9,6 +9,10 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <unistd.h>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -88,5 +92,33 @@ private:
   std::vector<std::pair<std::string, std::string>> env_;
   std::vector<child_process> nodes_;
 };
+
+/// Runs the cmesh command with extra environment; output is stdout and
+/// stderr together.
+struct run_result {
+  int exit_code = -1;
+  std::string output; // stdout and stderr together
+  std::chrono::milliseconds took{0};
+};
+
+inline run_result run_cmesh(const std::string& args, const std::vector<std::pair<std::string, std::string>>& env = {},
+                     std::chrono::seconds timeout = 120s) {
+  auto out_path = "/tmp/cmesh_cli_test_" + std::to_string(getpid()) + ".out";
+  auto cmd = bin_dir() + "/cmesh " + args + " >" + out_path + " 2>&1";
+  auto t0 = std::chrono::steady_clock::now();
+  auto c = child_process::spawn("/bin/sh", {"-c", cmd}, env);
+  REQUIRE(c.pid() > 0);
+  auto st = c.wait(timeout);
+  run_result r;
+  r.took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  REQUIRE_MESSAGE(st.has_value(), "cmesh " << args << " did not finish within " << timeout.count() << " s");
+  r.exit_code = exit_code_of(*st);
+  std::ifstream in(out_path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.output = ss.str();
+  std::remove(out_path.c_str());
+  return r;
+}
 
 } // namespace cmesh::testing

@@ -2,8 +2,10 @@
 //
 //   cmesh_bench_transport [all]                          the driver: runs everything below
 //                                                        and prints the comparison table
-//   cmesh_bench_transport cmesh-node <lat|bw|all>        one rank of a 2-process mesh
-//                                                        (CMESH_COORDINATOR/RANK/WORLD_SIZE)
+//   cmesh_bench_transport cmesh-node <lat|bw|all|frames> one rank of a 2-process mesh
+//                                                        (CMESH_COORDINATOR/RANK/WORLD_SIZE);
+//                                                        frames: both measurements on the
+//                                                        bare transport, no actors
 //   cmesh_bench_transport caf-server <port>              CAF 0.17 echo/sink behind its TCP
 //                                                        middleman (port 0: ephemeral, written
 //                                                        to $CMESH_BENCH_PORT_FILE)
@@ -18,13 +20,20 @@
 // of rank 1, which acks each; GB/s = 1e9 bytes/s over the acks after warm-up.
 // The CAF pair does the same with (atom, uint64) and (atom, std::vector<char>).
 //
-// Knobs (environment of the driver): CMESH_BENCH_LAT_ITERS (20000),
+// The driver runs the cmesh pair once per configuration (the transport's
+// CMESH_SPIN_US and the CAF scheduler's idle polling, see configure_scheduler),
+// the CAF pair once per scheduler setting used, then the raw UCX anchor
+// (../shared/anchors/ucx.sh next to the repository, ucx_perftest), and prints
+// one table with the ratios, then `cmesh transport lat_us X`-style lines.
+//
+// Knobs (environment of the driver): CMESH_BENCH_CONFIGS (SPIN_US:POLL list,
+// POLL = cv | default | frames; "50:frames,50:cv,1000:cv,50:default"),
+// CMESH_BENCH_LAT_ITERS (20000),
 // CMESH_BENCH_LAT_WARMUP (2000), CMESH_BENCH_BW_MSGS (500), CMESH_BENCH_BW_WARMUP
-// (32), CMESH_BENCH_WINDOW (16), CMESH_BENCH_CAF_BW_MSGS (100), CMESH_BENCH_SPINS
-// (CMESH_SPIN_US values to try, "50,1000"), CMESH_BENCH_TIME_CAP_S (8: a measurement
-// stops early after this long), CMESH_BENCH_CAF_POLL (default | cv), CMESH_BENCH_UCX_ANCHOR (path of
-// ucx.sh), CMESH_BENCH_SKIP_UCX=1, CMESH_BENCH_SKIP_CAF=1, CMESH_BENCH_VERBOSE=1
-// (every figure the clients measured).
+// (32), CMESH_BENCH_WINDOW (16), CMESH_BENCH_CAF_BW_MSGS (100),
+// CMESH_BENCH_TIME_CAP_S (3: a measurement stops early after this long),
+// CMESH_BENCH_UCX_ANCHOR (path of ucx.sh), CMESH_BENCH_SKIP_UCX=1,
+// CMESH_BENCH_SKIP_CAF=1, CMESH_BENCH_VERBOSE=1 (every figure measured).
 #include "core/env.hpp"
 #include "core/process.hpp"
 #include "transport/bootstrap.hpp"
@@ -45,6 +54,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -84,7 +94,7 @@ struct params {
   uint64_t window = env_u64("CMESH_BENCH_WINDOW", 16);
   /// Each measurement stops early after this long (a slow path must not make
   /// the whole benchmark slow); the figures say how many messages counted.
-  int64_t cap_ns = static_cast<int64_t>(env_u64("CMESH_BENCH_TIME_CAP_S", 8)) * 1'000'000'000;
+  int64_t cap_ns = static_cast<int64_t>(env_u64("CMESH_BENCH_TIME_CAP_S", 3)) * 1'000'000'000;
 };
 
 /// The CAF scheduler of every benchmark process: two workers, as `cmesh
@@ -168,6 +178,9 @@ struct stream {
   int64_t last_ack = 0;
   std::vector<int64_t> gaps_ns; // between measured acks
 
+  stream(const params& p, uint64_t messages)
+      : warmup(p.bw_warmup), count(messages), window(p.window), cap_ns(p.cap_ns) {}
+
   uint64_t total() const { return warmup + count; }
   /// How many to send now (at the start, or after an ack).
   uint64_t to_send() const {
@@ -217,6 +230,16 @@ struct stream {
     }
   }
 };
+
+/// Both ranks get the coordinator's shutdown at about the same time; rank 0
+/// lingers a moment so that rank 1 has called begin_shutdown() before rank
+/// 0's endpoints close (else rank 1 logs the expected departure as a loss).
+void leave(transport& net, uint32_t rank) {
+  net.begin_shutdown();
+  if (rank == 0)
+    std::this_thread::sleep_for(100ms);
+  net.stop();
+}
 
 /// The outcome of an actor-driven measurement, handed to the main thread.
 struct outcome {
@@ -270,7 +293,7 @@ caf::behavior cmesh_pinger(caf::event_based_actor* self, caf::actor echo, params
 /// Rank 0's bandwidth client: a window of blobs sharing one bulk buffer.
 caf::behavior cmesh_streamer(caf::event_based_actor* self, caf::actor sink, params p,
                              outcome_promise done) {
-  auto st = std::make_shared<stream>(stream{p.bw_warmup, p.bw_msgs, p.window, p.cap_ns});
+  auto st = std::make_shared<stream>(p, p.bw_msgs);
   auto buf = bulk::allocate(payload_bytes);
   std::memset(buf.data(), 0x5a, buf.size()); // touch every page once, here
   auto finished = std::make_shared<bool>(false);
@@ -304,9 +327,134 @@ caf::behavior cmesh_streamer(caf::event_based_actor* self, caf::actor sink, para
   }};
 }
 
+/// The same two measurements on the bare transport, without actors: the
+/// frame handlers run on the transport's data thread, rank 1 answers from
+/// there and rank 0 sends its next message from there. Separates the cost of
+/// the transport from that of the CAF hop on either side.
+struct frames_client {
+  transport& net;
+  params p;
+  pingpong ping;
+  stream flow;
+  bulk buf;
+  bool streaming = false;
+  bool finished = false;
+  std::promise<outcome> done;
+
+  frames_client(transport& n, params ps)
+      : net(n), p(ps), ping(ps), flow(ps, ps.bw_msgs), buf(bulk::allocate(payload_bytes)) {
+    std::memset(buf.data(), 0x5a, buf.size());
+  }
+
+  void finish(std::string err) {
+    if (finished)
+      return;
+    finished = true;
+    outcome o{std::move(err), {}};
+    ping.summarize(o.values);
+    flow.summarize(o.values, payload_bytes);
+    done.set_value(std::move(o));
+  }
+
+  void check(const caf::error& e) {
+    if (e)
+      finish("send: " + describe(e));
+  }
+
+  void send_ping() {
+    ping.sent();
+    check(net.send_message(1, {}, wire::sequenced{0, ping.seq, ping.sent_ns}));
+  }
+
+  void pump() {
+    for (auto n = flow.to_send(); n > 0 && !finished; --n)
+      check(net.send_message(1, {}, wire::blob{flow.sent++, 0, buf}));
+  }
+
+  // On the data thread.
+  void on_frame(inbound_frame&& f) {
+    if (finished || f.header.kind != wire::ack::kind)
+      return;
+    auto a = wire::decode_body<wire::ack>(f.body());
+    if (!a) {
+      finish("undecodable ack: " + describe(a.error()));
+      return;
+    }
+    if (!streaming) {
+      if (a->seq != ping.seq) {
+        finish("ack " + std::to_string(a->seq) + " for ping " + std::to_string(ping.seq));
+        return;
+      }
+      if (ping.replied()) {
+        send_ping();
+        return;
+      }
+      streaming = true;
+      pump();
+      return;
+    }
+    if (a->value != payload_bytes) {
+      finish("rank 1 got " + std::to_string(a->value) + " bytes");
+      return;
+    }
+    if (flow.on_ack())
+      finish({});
+    else
+      pump();
+  }
+};
+
+int cmesh_frames(joined_mesh& j, uint32_t rank,
+                 const std::function<void(const std::string&, const std::string&)>& report) {
+  params p;
+  std::unique_ptr<frames_client> client;
+  if (rank == 1) {
+    auto* net = j.net.get();
+    net->set_handlers(
+      [net](inbound_frame&& f) {
+        wire::ack reply;
+        if (f.header.kind == wire::sequenced::kind) {
+          auto m = wire::decode_body<wire::sequenced>(f.body());
+          reply = {m ? m->seq : ~uint64_t{0}, 0};
+        } else if (f.header.kind == wire::blob::kind) {
+          auto m = wire::decode_body<wire::blob>(f.body());
+          reply = {m ? m->seq : ~uint64_t{0}, f.payload.size()};
+        } else {
+          return;
+        }
+        (void)net->send_message(0, {}, reply);
+      },
+      [](uint32_t, const caf::error&) {});
+  } else {
+    client = std::make_unique<frames_client>(*j.net, p);
+    auto* c = client.get();
+    j.net->set_handlers([c](inbound_frame&& f) { c->on_frame(std::move(f)); },
+                        [c](uint32_t, const caf::error& e) { c->finish("rank 1 lost: " + describe(e)); });
+  }
+  if (auto e = j.net->start()) {
+    std::fprintf(stderr, "cmesh-node %u: %s\n", rank, describe(e).c_str());
+    return 3;
+  }
+  report("ready", "");
+  int rc = 0;
+  if (rank == 0) {
+    // Frames sent before rank 1 started wait in UCX; the warm-up absorbs that.
+    auto f = client->done.get_future();
+    client->send_ping();
+    auto o = await(f, 60s, "frames");
+    for (auto& [k, v] : o.values)
+      report(k, std::to_string(v));
+    report("done", o.error.empty() ? "ok" : o.error);
+    rc = o.error.empty() ? 0 : 1;
+  }
+  auto bye = j.coordinator.wait_shutdown(120s);
+  leave(*j.net, rank); // joins the data thread: no handler runs after this
+  return bye ? rc : (rc ? rc : 1);
+}
+
 int cmesh_node(const std::string& mode) {
-  if (mode != "lat" && mode != "bw" && mode != "all") {
-    std::fprintf(stderr, "cmesh-node: mode must be lat, bw or all\n");
+  if (mode != "lat" && mode != "bw" && mode != "all" && mode != "frames") {
+    std::fprintf(stderr, "cmesh-node: mode must be lat, bw, all or frames\n");
     return 2;
   }
   auto j = join_mesh({});
@@ -323,6 +471,8 @@ int cmesh_node(const std::string& mode) {
     if (auto e = j->coordinator.report({rank, key, value, mono_ns()}))
       std::fprintf(stderr, "cmesh-node %u: report failed: %s\n", rank, describe(e).c_str());
   };
+  if (mode == "frames")
+    return cmesh_frames(*j, rank, report);
   params p;
   caf::actor_system_config cfg;
   configure_scheduler(cfg);
@@ -382,12 +532,11 @@ int cmesh_node(const std::string& mode) {
       rc = error.empty() ? 0 : 1;
     }
     auto bye = j->coordinator.wait_shutdown(120s);
-    j->net->begin_shutdown();
     for (auto& a : mine)
       caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
     if (!bye)
       rc = rc ? rc : 1;
-    j->net->stop();
+    leave(*j->net, rank);
   }
   sys.await_all_actors_done();
   return rc;
@@ -477,7 +626,7 @@ caf::behavior caf_pinger(caf::event_based_actor* self, caf::actor srv, params p,
 
 caf::behavior caf_streamer(caf::event_based_actor* self, caf::actor srv, params p,
                            outcome_promise done) {
-  auto st = std::make_shared<stream>(stream{p.bw_warmup, p.caf_bw_msgs, p.window, p.cap_ns});
+  auto st = std::make_shared<stream>(p, p.caf_bw_msgs);
   // One message, built once: CAF messages are copy-on-write, so every send
   // shares this vector until the middleman serializes it.
   auto msg = caf::make_message(blob_atom::value, std::vector<char>(payload_bytes, 'z'));
@@ -579,28 +728,39 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("cmesh_bench_transport");
 }
 
-/// Waits for every child, killing the ones still running after `limit`.
-void reap_all(std::vector<child_process>& kids, std::chrono::milliseconds limit) {
+double seconds_since(int64_t t0) {
+  return static_cast<double>(mono_ns() - t0) / 1e9;
+}
+
+/// Waits for every child, killing the ones still running after `limit`;
+/// returns how many had to be killed.
+int reap_all(std::vector<child_process>& kids, std::chrono::milliseconds limit) {
   auto deadline = std::chrono::steady_clock::now() + limit;
+  int killed = 0;
   for (auto& k : kids) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
       deadline - std::chrono::steady_clock::now());
     if (!k.running())
       continue;
-    if (!k.wait(std::max(left, std::chrono::milliseconds(1))))
+    if (!k.wait(std::max(left, std::chrono::milliseconds(1)))) {
       k.kill_and_reap();
+      ++killed;
+    }
   }
+  return killed;
 }
 
-/// One cmesh pair with CMESH_SPIN_US = spin_us; results or an error text.
-outcome run_cmesh(int64_t spin_us, const std::string& mode) {
+/// One cmesh pair with CMESH_SPIN_US = spin_us and CMESH_BENCH_CAF_POLL =
+/// poll; results or an error text.
+outcome run_cmesh(int64_t spin_us, const std::string& poll, const std::string& mode) {
   coordinator coord({"127.0.0.1", 0, 2});
   if (auto e = coord.start())
     return {"coordinator: " + describe(e), {}};
   std::vector<child_process> kids;
+  int killed = 0;
   auto cleanup = [&] {
     coord.broadcast_shutdown(0, "benchmark over");
-    reap_all(kids, 5s);
+    killed = reap_all(kids, 5s);
     coord.stop();
   };
   for (uint32_t r = 0; r < 2; ++r) {
@@ -610,7 +770,8 @@ outcome run_cmesh(int64_t spin_us, const std::string& mode) {
       {{"CMESH_COORDINATOR", "127.0.0.1:" + std::to_string(coord.port())},
        {"CMESH_RANK", std::to_string(r)},
        {"CMESH_WORLD_SIZE", "2"},
-       {"CMESH_SPIN_US", std::to_string(spin_us)}},
+       {"CMESH_SPIN_US", std::to_string(spin_us)},
+       {"CMESH_BENCH_CAF_POLL", poll}},
       &err);
     if (c.pid() <= 0) {
       cleanup();
@@ -640,11 +801,14 @@ outcome run_cmesh(int64_t spin_us, const std::string& mode) {
   for (auto& r : coord.reports())
     if (r.rank == 0 && r.key != "done" && r.key != "ready")
       o.values[r.key] = std::atof(r.value.c_str());
+  auto t_results = mono_ns();
   cleanup();
+  o.values["driver_shutdown_s"] = seconds_since(t_results);
+  o.values["driver_killed"] = killed;
   return o;
 }
 
-outcome run_caf(const std::string& mode) {
+outcome run_caf(const std::string& poll, const std::string& mode) {
   auto dir = std::filesystem::temp_directory_path()
              / ("cmesh_bench_" + std::to_string(getpid()) + "_" + std::to_string(mono_ns()));
   std::error_code ec;
@@ -660,8 +824,9 @@ outcome run_caf(const std::string& mode) {
     return o;
   };
   std::string err;
-  kids.push_back(child_process::spawn(self_exe(), {"caf-server", "0"},
-                                      {{"CMESH_BENCH_PORT_FILE", port_file}}, &err));
+  kids.push_back(child_process::spawn(
+    self_exe(), {"caf-server", "0"},
+    {{"CMESH_BENCH_PORT_FILE", port_file}, {"CMESH_BENCH_CAF_POLL", poll}}, &err));
   if (kids.back().pid() <= 0)
     return finish({"spawn caf-server: " + err, {}});
   // Wait for the server's port.
@@ -677,8 +842,9 @@ outcome run_caf(const std::string& mode) {
       return finish({"caf-server did not publish within 15 s", {}});
     std::this_thread::sleep_for(20ms);
   }
-  kids.push_back(child_process::spawn(self_exe(), {"caf-client", "127.0.0.1", port, mode},
-                                      {{"CMESH_BENCH_OUT", out_file}}, &err));
+  kids.push_back(child_process::spawn(
+    self_exe(), {"caf-client", "127.0.0.1", port, mode},
+    {{"CMESH_BENCH_OUT", out_file}, {"CMESH_BENCH_CAF_POLL", poll}}, &err));
   if (kids.back().pid() <= 0)
     return finish({"spawn caf-client: " + err, {}});
   auto st = kids[1].wait(150s);
@@ -786,165 +952,253 @@ std::optional<double> ratio(std::optional<double> a, std::optional<double> b) {
   return *a / *b;
 }
 
-std::vector<int64_t> spin_settings() {
-  std::vector<int64_t> out;
-  std::string text = env_string("CMESH_BENCH_SPINS").value_or("50,1000");
-  std::istringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ','))
-    if (!item.empty())
-      out.push_back(std::atoll(item.c_str()));
-  if (out.empty())
-    out = {50, 1000};
-  return out;
-}
-
 std::string spin_label(int64_t us) {
   return us >= 1000 && us % 1000 == 0 ? std::to_string(us / 1000) + "ms"
                                       : std::to_string(us) + "us";
 }
 
+/// One cmesh configuration: the transport's spin and the CAF scheduler's
+/// polling, or poll "frames": the bare transport without actors.
+struct cmesh_config {
+  int64_t spin_us = 50;
+  std::string poll = "cv";
+  bool frames() const { return poll == "frames"; }
+  std::string name() const {
+    return frames() ? "frames_spin" + spin_label(spin_us)
+                    : "spin" + spin_label(spin_us) + "_caf" + poll;
+  }
+  std::string what() const { return frames() ? "no actors" : "caf " + poll; }
+};
+
+/// CMESH_BENCH_CONFIGS: comma-separated SPIN_US:POLL, POLL = cv | default | frames.
+std::vector<cmesh_config> cmesh_configs() {
+  std::vector<cmesh_config> out;
+  std::istringstream in(
+    env_string("CMESH_BENCH_CONFIGS").value_or("50:frames,50:cv,1000:cv,50:default"));
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty())
+      continue;
+    cmesh_config c;
+    auto colon = item.find(':');
+    c.spin_us = std::atoll(item.substr(0, colon).c_str());
+    if (colon != std::string::npos) {
+      auto poll = item.substr(colon + 1);
+      c.poll = poll == "default" || poll == "frames" ? poll : "cv";
+    }
+    out.push_back(c);
+  }
+  if (out.empty())
+    out.push_back({});
+  return out;
+}
+
+bool env_flag(const char* name) {
+  return env_string(name).value_or("0") == "1";
+}
+
+void note_run(const std::string& what, double secs, const outcome& o) {
+  std::printf("  %s: %.1f s%s%s\n", what.c_str(), secs, o.error.empty() ? "" : ", ERROR: ",
+              o.error.c_str());
+  std::fflush(stdout);
+}
+
 int driver() {
   params p;
-  auto spins = spin_settings();
-  std::printf("cmesh transport benchmark: 2 processes on this host, %u cores\n",
+  auto configs = cmesh_configs();
+  std::printf("cmesh transport benchmark: 2 processes on this host (%u cores)\n",
               std::thread::hardware_concurrency());
-  std::printf("  latency: %llu round trips of 8-byte-class messages after %llu warm-up, one-way = RTT/2\n",
+  std::printf("  latency: %llu round trips after %llu warm-up (cmesh: wire::sequenced -> "
+              "wire::ack; CAF: (atom, u64) both ways), one-way = RTT / 2\n",
               static_cast<unsigned long long>(p.lat_iters),
               static_cast<unsigned long long>(p.lat_warmup));
-  std::printf("  bandwidth: 4 MiB messages, window %llu, %llu (cmesh) / %llu (CAF) after %llu warm-up\n",
+  std::printf("  bandwidth: 4 MiB messages, window %llu, %llu (cmesh) / %llu (CAF) after %llu "
+              "warm-up, each measurement capped at %lld s\n",
               static_cast<unsigned long long>(p.window), static_cast<unsigned long long>(p.bw_msgs),
               static_cast<unsigned long long>(p.caf_bw_msgs),
-              static_cast<unsigned long long>(p.bw_warmup));
+              static_cast<unsigned long long>(p.bw_warmup),
+              static_cast<long long>(p.cap_ns / 1'000'000'000));
+  std::printf("  CAF scheduler: 2 workers; 'caf cv' = idle workers wait on a condition variable "
+              "(work-stealing.moderate-poll-attempts=0), 'caf default' = CAF's 50 us sleep polling\n");
   std::fflush(stdout);
   int failures = 0;
 
-  struct cmesh_run {
-    int64_t spin_us;
-    outcome o;
-  };
-  std::vector<cmesh_run> cm;
-  for (auto s : spins) {
+  std::vector<outcome> cm;
+  for (auto& c : configs) {
     auto t0 = mono_ns();
-    auto o = run_cmesh(s, "all");
-    std::printf("  cmesh (CMESH_SPIN_US=%lld) done in %.1f s%s%s\n", static_cast<long long>(s),
-                static_cast<double>(mono_ns() - t0) / 1e9, o.error.empty() ? "" : ": ERROR ",
-                o.error.c_str());
-    std::fflush(stdout);
-    failures += !o.error.empty();
-    cm.push_back({s, std::move(o)});
+    cm.push_back(run_cmesh(c.spin_us, c.frames() ? "cv" : c.poll, c.frames() ? "frames" : "all"));
+    note_run("cmesh, CMESH_SPIN_US=" + std::to_string(c.spin_us) + ", " + c.what(),
+             seconds_since(t0), cm.back());
+    failures += !cm.back().error.empty();
   }
-  auto t0 = mono_ns();
-  outcome caf;
-  if (env_string("CMESH_BENCH_SKIP_CAF").value_or("0") == "1") {
-    std::printf("  CAF TCP middleman skipped (CMESH_BENCH_SKIP_CAF=1)\n");
-  } else {
-    caf = run_caf("all");
-    std::printf("  CAF TCP middleman done in %.1f s%s%s\n",
-                static_cast<double>(mono_ns() - t0) / 1e9, caf.error.empty() ? "" : ": ERROR ",
-                caf.error.c_str());
-    failures += !caf.error.empty();
+  // CAF's TCP middleman under every scheduler setting the cmesh runs used.
+  std::map<std::string, outcome> caf;
+  for (auto& c : configs) {
+    if (c.frames() || caf.count(c.poll) || env_flag("CMESH_BENCH_SKIP_CAF"))
+      continue;
+    auto t0 = mono_ns();
+    caf[c.poll] = run_caf(c.poll, "all");
+    note_run("CAF TCP middleman, caf " + c.poll, seconds_since(t0), caf[c.poll]);
+    failures += !caf[c.poll].error.empty();
   }
-  std::fflush(stdout);
   ucx_anchor ucx;
-  if (env_string("CMESH_BENCH_SKIP_UCX").value_or("0") == "1") {
+  if (env_flag("CMESH_BENCH_SKIP_UCX")) {
     ucx.error = "anchor skipped (CMESH_BENCH_SKIP_UCX=1)";
   } else {
-    t0 = mono_ns();
+    auto t0 = mono_ns();
     ucx = run_ucx();
-    std::printf("  raw UCX anchor done in %.1f s%s%s\n", static_cast<double>(mono_ns() - t0) / 1e9,
-                ucx.error.empty() ? "" : ": ", ucx.error.c_str());
+    std::printf("  raw UCX anchor: %.1f s%s%s\n", seconds_since(t0),
+                ucx.error.empty() ? "" : ", ", ucx.error.c_str());
   }
+  // ucx_perftest reports MB/s with MB = 2^20 bytes, and the anchor divides
+  // that by 1000: its "GBps" are 1.048576e9 bytes/s. The table uses 1e9.
+  constexpr double anchor_gb = 1.048576;
   auto ucx_get = [&](const std::string& k) -> std::optional<double> {
     auto i = ucx.values.find(k);
-    return i == ucx.values.end() ? std::nullopt : std::optional<double>(i->second);
+    if (i == ucx.values.end())
+      return std::nullopt;
+    return k.find("_GBps") != std::string::npos ? i->second * anchor_gb : i->second;
   };
+  auto caf_get = [&](const std::string& poll, const std::string& key) -> std::optional<double> {
+    auto i = caf.find(poll);
+    return i == caf.end() ? std::nullopt : get(i->second.values, key);
+  };
+  std::vector<std::string> polls; // CAF columns, in first-use order
+  for (auto& c : configs)
+    if (!c.frames() && std::find(polls.begin(), polls.end(), c.poll) == polls.end())
+      polls.push_back(c.poll);
 
-  // -- the table --
+  // -- the table: values, then ratio columns (one per cmesh configuration) --
   auto lat_plain = ucx_get("plain tag_lat_us");
   auto bw_plain = ucx_get("plain tag_bw_GBps");
-  std::vector<std::string> cols;
-  std::vector<std::optional<double>> lat_row, bw_row, p50_row, p99_row;
-  for (auto& c : cm) {
-    cols.push_back("cmesh spin " + spin_label(c.spin_us));
-    lat_row.push_back(get(c.o.values, "lat_us"));
-    bw_row.push_back(get(c.o.values, "bw_GBps"));
-    p50_row.push_back(get(c.o.values, "lat_p50_us"));
-    p99_row.push_back(get(c.o.values, "lat_p99_us"));
-  }
-  cols.insert(cols.end(), {"UCX plain", "UCX peer_err", "CAF TCP"});
-  lat_row.insert(lat_row.end(), {lat_plain, ucx_get("peer_err tag_lat_us"), get(caf.values, "lat_us")});
-  bw_row.insert(bw_row.end(), {bw_plain, ucx_get("peer_err tag_bw_GBps"), get(caf.values, "bw_GBps")});
-  p50_row.insert(p50_row.end(), {std::nullopt, std::nullopt, get(caf.values, "lat_p50_us")});
-  p99_row.insert(p99_row.end(), {std::nullopt, std::nullopt, get(caf.values, "lat_p99_us")});
-
-  std::printf("\n%-26s", "");
-  for (auto& c : cols)
-    std::printf(" %15s", c.c_str());
-  std::printf("\n");
-  auto row = [&](const char* name, const std::vector<std::optional<double>>& v) {
-    std::printf("%-26s", name);
-    for (auto& x : v)
-      std::printf(" %15s", fmt_num(x).c_str());
-    std::printf("\n");
+  constexpr int w = 11;
+  auto pad = [](std::string text, int width) {
+    if (static_cast<int>(text.size()) < width)
+      text.insert(0, static_cast<size_t>(width) - text.size(), ' ');
+    return text;
   };
-  row("latency (us, one-way)", lat_row);
-  row("  p50 (us, one-way)", p50_row);
-  row("  p99 (us, one-way)", p99_row);
-  row("bandwidth (GB/s, 4 MiB)", bw_row);
+  auto group = [&](const std::string& title, size_t ncols) {
+    auto width = static_cast<int>(ncols) * (w + 1);
+    auto t = title.substr(0, static_cast<size_t>(width) - 1);
+    return " " + t + std::string(static_cast<size_t>(width) - 1 - t.size(), ' ');
+  };
+  std::string h1(25, ' '), h2(25, ' '), h3(25, ' ');
+  auto cmesh_heads = [&] {
+    for (auto& c : configs) {
+      h2 += " " + pad("spin " + spin_label(c.spin_us), w);
+      h3 += " " + pad(c.what(), w);
+    }
+  };
+  h1 += group("cmesh", configs.size()) + group("raw UCX", 2)
+        + group("CAF TCP middleman", polls.size());
+  cmesh_heads();
+  h2 += " " + pad("plain", w) + " " + pad("peer_err", w);
+  h3 += " " + pad("", w) + " " + pad("", w);
+  for (auto& poll : polls) {
+    h2 += " " + pad("", w);
+    h3 += " " + pad("caf " + poll, w);
+  }
+  h1 += " |" + group("cmesh / UCX plain", configs.size()) + group("goal", 1) + " |"
+        + group("cmesh vs CAF, x faster", configs.size());
+  h2 += " |";
+  h3 += " |";
+  cmesh_heads();
+  h2 += " " + pad("", w) + " |";
+  h3 += " " + pad("", w) + " |";
+  cmesh_heads();
+  auto trim = [](std::string t) {
+    while (!t.empty() && t.back() == ' ')
+      t.pop_back();
+    return t;
+  };
+  std::printf("\n%s\n%s\n%s\n", trim(h1).c_str(), trim(h2).c_str(), trim(h3).c_str());
 
-  std::printf("\n%-26s %-16s %15s %18s %15s\n", "ratios", "cmesh setting", "cmesh/UCX-plain",
-              "goal", "cmesh vs CAF");
-  for (auto& c : cm) {
-    auto lat = get(c.o.values, "lat_us");
-    auto bw = get(c.o.values, "bw_GBps");
-    auto lr = ratio(lat, lat_plain);
-    auto br = ratio(bw, bw_plain);
-    auto lcaf = ratio(get(caf.values, "lat_us"), lat);
-    auto bcaf = ratio(bw, get(caf.values, "bw_GBps"));
-    auto mark = [](std::optional<double> r, bool ok) {
-      return r ? std::string(ok ? " (met)" : " (MISSED)") : std::string();
-    };
-    std::printf("%-26s %-16s %15s %18s %14sx\n", "latency", ("spin " + spin_label(c.spin_us)).c_str(),
-                fmt_num(lr).c_str(), ("<= 3" + mark(lr, lr && *lr <= 3.0)).c_str(),
-                fmt_num(lcaf, 1).c_str());
-    std::printf("%-26s %-16s %15s %18s %14sx\n", "bandwidth", ("spin " + spin_label(c.spin_us)).c_str(),
-                fmt_num(br).c_str(), (">= 0.8" + mark(br, br && *br >= 0.8)).c_str(),
-                fmt_num(bcaf, 1).c_str());
+  enum class kind { lat, bw, other };
+  auto line = [&](const char* name, const std::string& key, std::optional<double> plain,
+                  std::optional<double> peer, kind k, int prec = 2) {
+    std::string out = name;
+    out.resize(25, ' ');
+    for (auto& o : cm)
+      out += " " + pad(fmt_num(get(o.values, key), prec), w);
+    out += " " + pad(fmt_num(plain, prec), w) + " " + pad(fmt_num(peer, prec), w);
+    for (auto& poll : polls)
+      out += " " + pad(fmt_num(caf_get(poll, key), prec), w);
+    out += " |";
+    for (auto& o : cm)
+      out += " " + pad(k == kind::other ? "" : fmt_num(ratio(get(o.values, key), plain)), w);
+    out += " " + pad(k == kind::lat ? "<= 3" : k == kind::bw ? ">= 0.8" : "", w) + " |";
+    for (size_t i = 0; i < cm.size(); ++i) {
+      auto mine = get(cm[i].values, key);
+      auto theirs = caf_get(configs[i].poll, key);
+      auto r = k == kind::lat ? ratio(theirs, mine) : ratio(mine, theirs);
+      out += " " + pad(k == kind::other || configs[i].frames() ? "" : fmt_num(r, 1), w);
+    }
+    std::printf("%s\n", trim(out).c_str());
+  };
+  line("latency (us, one-way)", "lat_us", lat_plain, ucx_get("peer_err tag_lat_us"), kind::lat);
+  line("  p50 (us, one-way)", "lat_p50_us", std::nullopt, std::nullopt, kind::other);
+  line("  p99 (us, one-way)", "lat_p99_us", std::nullopt, std::nullopt, kind::other);
+  line("  round trips counted", "lat_iters", std::nullopt, std::nullopt, kind::other, 0);
+  line("bandwidth (GB/s, 4 MiB)", "bw_GBps", bw_plain, ucx_get("peer_err tag_bw_GBps"), kind::bw);
+  line("  messages counted", "bw_msgs", std::nullopt, std::nullopt, kind::other, 0);
+  std::printf("  UCX = ucx_perftest (tag_lat 8 B average, tag_bw 4 MiB; its MiB/s converted to "
+              "1e9 B/s): plain = shared memory + CMA, peer_err = TCP loopback.\n  cmesh vs CAF "
+              "compares runs with the same CAF scheduler setting.\n");
+  for (size_t i = 0; i < cm.size(); ++i) {
+    auto lr = ratio(get(cm[i].values, "lat_us"), lat_plain);
+    auto br = ratio(get(cm[i].values, "bw_GBps"), bw_plain);
+    std::printf("  goals, cmesh spin %s %s: latency within 3x of raw UCX: %s; bandwidth >= "
+                "0.8 of raw UCX: %s\n",
+                spin_label(configs[i].spin_us).c_str(), configs[i].what().c_str(),
+                !lr ? "n/a" : *lr <= 3.0 ? "met" : "MISSED",
+                !br ? "n/a" : *br >= 0.8 ? "met" : "MISSED");
   }
   if (!ucx.error.empty())
-    std::printf("raw UCX: %s\n", ucx.error.c_str());
+    std::printf("  raw UCX: %s\n", ucx.error.c_str());
 
   // -- machine-readable lines --
   std::printf("\n");
-  for (auto& c : cm) {
-    std::string mode = c.spin_us == 50 ? "transport" : "transport_spin" + spin_label(c.spin_us);
-    for (const char* k : {"lat_us", "lat_p50_us", "lat_p99_us", "bw_GBps"})
-      std::printf("cmesh %s %s %s\n", mode.c_str(), k, fmt_num(get(c.o.values, k), 3).c_str());
+  const char* keys[] = {"lat_us", "lat_p50_us", "lat_p99_us", "bw_GBps"};
+  bool named_first = false;
+  for (size_t i = 0; i < cm.size(); ++i) {
+    // The first actor configuration is "cmesh transport"; the others are named.
+    bool first = !configs[i].frames() && !named_first;
+    named_first |= first;
+    auto mode = first ? std::string("transport") : "transport_" + configs[i].name();
+    for (auto k : keys)
+      std::printf("cmesh %s %s %s\n", mode.c_str(), k, fmt_num(get(cm[i].values, k), 3).c_str());
   }
-  for (const char* k : {"lat_us", "lat_p50_us", "lat_p99_us", "bw_GBps"})
-    std::printf("caf_tcp %s %s\n", k, fmt_num(get(caf.values, k), 3).c_str());
-  if (env_string("CMESH_BENCH_VERBOSE").value_or("0") == "1") {
-    for (auto& c : cm)
-      for (auto& [k, v] : c.o.values)
-        std::printf("detail cmesh_spin%s %s %.3f\n", spin_label(c.spin_us).c_str(), k.c_str(), v);
-    for (auto& [k, v] : caf.values)
-      std::printf("detail caf_tcp %s %.3f\n", k.c_str(), v);
+  for (size_t i = 0; i < polls.size(); ++i) {
+    auto mode = i == 0 ? std::string("caf_tcp") : "caf_tcp_caf" + polls[i];
+    for (auto k : keys)
+      std::printf("%s %s %s\n", mode.c_str(), k, fmt_num(caf_get(polls[i], k), 3).c_str());
   }
   if (ucx.lines.empty())
     std::printf("ucx anchor unavailable: %s\n", ucx.error.c_str());
   for (auto& l : ucx.lines)
     std::printf("%s\n", l.c_str());
-  for (auto& c : cm) {
-    std::string sfx = "spin" + spin_label(c.spin_us);
-    auto lat = get(c.o.values, "lat_us");
-    auto bw = get(c.o.values, "bw_GBps");
-    std::printf("ratio %s cmesh_over_ucx_lat %s\n", sfx.c_str(), fmt_num(ratio(lat, lat_plain), 3).c_str());
-    std::printf("ratio %s cmesh_over_ucx_bw %s\n", sfx.c_str(), fmt_num(ratio(bw, bw_plain), 3).c_str());
-    std::printf("ratio %s caf_over_cmesh_lat %s\n", sfx.c_str(),
-                fmt_num(ratio(get(caf.values, "lat_us"), lat), 3).c_str());
-    std::printf("ratio %s cmesh_over_caf_bw %s\n", sfx.c_str(),
-                fmt_num(ratio(bw, get(caf.values, "bw_GBps")), 3).c_str());
+  for (size_t i = 0; i < cm.size(); ++i) {
+    auto name = configs[i].name();
+    auto lat = get(cm[i].values, "lat_us");
+    auto bw = get(cm[i].values, "bw_GBps");
+    std::printf("ratio %s cmesh_over_ucx_lat %s\n", name.c_str(),
+                fmt_num(ratio(lat, lat_plain), 3).c_str());
+    std::printf("ratio %s cmesh_over_ucx_bw %s\n", name.c_str(),
+                fmt_num(ratio(bw, bw_plain), 3).c_str());
+    if (configs[i].frames())
+      continue;
+    std::printf("ratio %s caf_over_cmesh_lat %s\n", name.c_str(),
+                fmt_num(ratio(caf_get(configs[i].poll, "lat_us"), lat), 3).c_str());
+    std::printf("ratio %s cmesh_over_caf_bw %s\n", name.c_str(),
+                fmt_num(ratio(bw, caf_get(configs[i].poll, "bw_GBps")), 3).c_str());
+  }
+  if (env_flag("CMESH_BENCH_VERBOSE")) {
+    for (size_t i = 0; i < cm.size(); ++i)
+      for (auto& [k, v] : cm[i].values)
+        std::printf("detail cmesh_%s %s %.3f\n", configs[i].name().c_str(), k.c_str(), v);
+    for (auto& [poll, o] : caf)
+      for (auto& [k, v] : o.values)
+        std::printf("detail caf_tcp_caf%s %s %.3f\n", poll.c_str(), k.c_str(), v);
   }
   std::fflush(stdout);
   return failures == 0 ? 0 : 1;
@@ -953,7 +1207,7 @@ int driver() {
 int usage() {
   std::fprintf(stderr,
                "usage: cmesh_bench_transport [all]\n"
-               "       cmesh_bench_transport cmesh-node <lat|bw|all>\n"
+               "       cmesh_bench_transport cmesh-node <lat|bw|all|frames>\n"
                "       cmesh_bench_transport caf-server <port>\n"
                "       cmesh_bench_transport caf-client <host> <port> <lat|bw|all>\n");
   return 2;

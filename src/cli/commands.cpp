@@ -106,14 +106,51 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
   return 0;
 }
 
+std::vector<std::string> worker_args(const job_options& job) {
+  std::vector<std::string> a{"worker", "--job", job.job, "--timeout-s",
+                             std::to_string(job.timeout_s)};
+  if (job.job == "ring") {
+    a.insert(a.end(), {"--laps", std::to_string(job.laps)});
+    return a;
+  }
+  const auto& t = job.train;
+  if (!t.config_file.empty())
+    a.insert(a.end(), {"--config", t.config_file});
+  if (!t.data_file.empty())
+    a.insert(a.end(), {"--data", t.data_file});
+  if (t.steps)
+    a.insert(a.end(), {"--steps", std::to_string(*t.steps)});
+  if (t.log_every)
+    a.insert(a.end(), {"--log-every", std::to_string(*t.log_every)});
+  if (t.exact)
+    a.push_back("--exact");
+  if (t.replicas != 0)
+    a.insert(a.end(), {"--replicas", std::to_string(t.replicas)});
+  return a;
+}
+
 int run_worker(const job_options& job) {
+  if (job.job == "train") {
+    // Bad flags or config fail before anything is started.
+    std::string err;
+    auto place = read_launch_env(err);
+    if (!err.empty()) {
+      fail_line(err);
+      return 2;
+    }
+    if (auto cfg = resolve_config(job.train, static_cast<size_t>(place.world_size)); !cfg) {
+      fail_line(describe(cfg.error()));
+      return 2;
+    }
+  }
   auto j = join_mesh({});
   if (!j) {
     fail_line(describe(j.error()));
     auto c = code_of(j.error());
     return c == errc::invalid_argument ? 2 : 3;
   }
-  auto err = run_ring(*j, job.laps, std::chrono::seconds(job.timeout_s));
+  auto err = job.job == "ring" ? run_ring(*j, job.laps, std::chrono::seconds(job.timeout_s))
+                               : run_training(*j, job.train, std::chrono::seconds(job.timeout_s));
   if (err) {
     fail_line(fmt::format("rank {}: {}", j->place.rank, describe(err)));
     j->net->stop();
@@ -131,6 +168,12 @@ int run_worker(const job_options& job) {
 }
 
 int run_launch(const job_options& job) {
+  if (job.job == "train") {
+    if (auto cfg = resolve_config(job.train, job.world_size); !cfg) {
+      fail_line(describe(cfg.error()));
+      return 2;
+    }
+  }
   coordinator coord({"127.0.0.1", 0, job.world_size});
   if (auto e = coord.start()) {
     fail_line(describe(e));
@@ -144,7 +187,7 @@ int run_launch(const job_options& job) {
   for (uint32_t r = 0; r < job.world_size; ++r) {
     std::string err;
     auto c = child_process::spawn(
-      exe, {"worker", "--laps", std::to_string(job.laps), "--timeout-s", std::to_string(job.timeout_s)},
+      exe, worker_args(job),
       {{"CMESH_COORDINATOR", address},
        {"CMESH_RANK", std::to_string(r)},
        {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
@@ -185,6 +228,8 @@ int run_launch(const job_options& job) {
   }
   fmt::print("cmesh: {} workers done in {:.2f} s{}\n", job.world_size, secs,
              rc == 0 ? "" : " (some exited badly)");
+  if (job.job == "train" && !out.done.empty())
+    fmt::print("cmesh: summary: {}\n", out.done.begin()->second);
   return rc;
 }
 

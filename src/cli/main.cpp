@@ -29,19 +29,35 @@ int main(int argc, char** argv) {
   coord->add_option("--timeout-s", job.timeout_s, "give up after this long")
     ->capture_default_str()->check(CLI::PositiveNumber);
 
+  auto add_job_flags = [&](CLI::App* cmd) {
+    cmd->add_option("--job", job.job, "train (the built-in MoE workload) or ring (transport smoke)")
+      ->capture_default_str()->check(CLI::IsMember({"train", "ring"}));
+    cmd->add_option("--laps", job.laps, "ring laps of the smoke job")->capture_default_str();
+    cmd->add_option("--timeout-s", job.timeout_s, "give up after this long")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("--config", job.train.config_file, "TOML config of the run")
+      ->check(CLI::ExistingFile);
+    cmd->add_option("--data", job.train.data_file, "text file to train on (default: synthetic)")
+      ->check(CLI::ExistingFile);
+    cmd->add_option("--steps", job.train.steps, "steps to train (overrides the config)")
+      ->check(CLI::PositiveNumber);
+    cmd->add_option("--log-every", job.train.log_every, "progress line every K steps")
+      ->check(CLI::PositiveNumber);
+    cmd->add_flag("--exact", job.train.exact,
+                  "exact mode: fixed-point gradient sums, bit-identical across layouts");
+    cmd->add_option("--replicas", job.train.replicas, "replica groups (default: one per rank)")
+      ->check(CLI::PositiveNumber);
+  };
+
   auto* worker = app.add_subcommand(
     "worker", "one rank; rank and size from OMPI_COMM_WORLD_*, SLURM_* or CMESH_*, "
               "the coordinator from CMESH_COORDINATOR=host:port");
-  worker->add_option("--laps", job.laps, "ring laps of the smoke job")->capture_default_str();
-  worker->add_option("--timeout-s", job.timeout_s, "give up after this long")
-    ->capture_default_str()->check(CLI::PositiveNumber);
+  add_job_flags(worker);
 
   auto* launch = app.add_subcommand("launch", "a coordinator and N workers on this machine");
   launch->add_option("-n,--world-size", job.world_size, "number of workers")
     ->required()->check(CLI::Range(1u, 256u));
-  launch->add_option("--laps", job.laps, "ring laps of the smoke job")->capture_default_str();
-  launch->add_option("--timeout-s", job.timeout_s, "give up after this long")
-    ->capture_default_str()->check(CLI::PositiveNumber);
+  add_job_flags(launch);
 
   try {
     app.parse(argc, argv);

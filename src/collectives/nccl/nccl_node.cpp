@@ -5,8 +5,9 @@
 // own value before any NCCL call, so NCCL sees one "host" per process and
 // connects them through its socket transport.
 //
-//   cmesh_test_nccl ops <seed>             every operation and dtype, NCCL against the
-//                                          host backend on the same data
+//   cmesh_test_nccl ops <seed> [big]       every operation and dtype, NCCL against the
+//                                          host backend on the same data (big: and 4 Mi
+//                                          elements)
 //   cmesh_test_nccl kill <victim>          64 MiB all_reduces until the victim is
 //                                          SIGKILLed, then shrink (or re-init), check
 //   cmesh_test_nccl abort                  abort from another thread while rank 0
@@ -190,12 +191,15 @@ std::vector<size_t> uneven_counts(size_t total, size_t n, uint64_t seed) {
 
 // -- ops ----------------------------------------------------------------------------------
 
-int run_ops(node& nd, uint64_t seed) {
+int run_ops(node& nd, uint64_t seed, bool big) {
   auto host = nd.make_host(nd.everyone(1));
   auto gpu = nd.make_nccl(nd.everyone(1));
   const size_t n = gpu->size(), me = gpu->index();
   checker ck;
-  const std::vector<size_t> sizes{1, 3, 1000, 65539, (size_t{1} << 20) + 7};
+  std::vector<size_t> sizes{1, 3, 1000, 65539, 262147};
+  if (big)
+    sizes.push_back((size_t{1} << 22) + 7); // 16 MiB of float32
+
   const size_t max_elems = n * sizes.back() + 1;
   dev_buf din(nd, max_elems * 8), dout(nd, max_elems * 8);
   for (dtype t : {dtype::float32, dtype::bfloat16, dtype::int64}) {
@@ -474,7 +478,8 @@ int main(int argc, char** argv) {
   }
   int rc = 2;
   if (scenario == "ops") {
-    rc = run_ops(nd, argc > 2 ? std::stoull(argv[2]) : 1);
+    const bool big = argc > 3 && std::string(argv[3]) == "big";
+    rc = run_ops(nd, argc > 2 ? std::stoull(argv[2]) : 1, big);
   } else if (scenario == "kill") {
     rc = run_kill(nd, static_cast<uint32_t>(std::stoul(argv[2])));
   } else if (scenario == "abort") {

@@ -1,0 +1,30 @@
+// The training job of `cmesh worker` / `cmesh launch`: the built-in MoE
+// workload under HSDP, with a progress line every log_every steps.
+#pragma once
+
+#include "model/config.hpp"
+#include "transport/join.hpp"
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace cmesh::cli {
+
+struct train_flags {
+  std::string config_file;           // TOML; empty: defaults
+  std::string data_file;             // overrides [data] file
+  std::optional<size_t> steps;       // overrides [train] steps
+  std::optional<size_t> log_every;   // overrides [train] log_every
+  bool exact = false;                // forces [train] exact = true
+  size_t replicas = 0;               // 0: one group per rank
+};
+
+/// Reads the config and applies the flags. Errors: invalid_argument.
+expected<model::run_config> resolve_config(const train_flags& f, size_t world_size);
+
+/// Runs the trainer of this rank on a joined mesh and reports "done" (or
+/// "failed") to the coordinator.
+caf::error run_training(joined_mesh& j, const train_flags& f, std::chrono::seconds timeout);
+
+} // namespace cmesh::cli

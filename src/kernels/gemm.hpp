@@ -1,0 +1,38 @@
+// Dense matrix products and the row/column helpers around them. Every
+// matrix product of the CPU path goes through gemm(), which calls OpenBLAS
+// with a fixed thread count so that results are bit-reproducible run to run.
+// Also compiled by nvcc (C++17): keep this header free of C++20.
+#pragma once
+
+#include <cstddef>
+
+namespace cmesh::kernels::cpu {
+
+/// Threads OpenBLAS may use (default 1). A product's rounding depends on how
+/// the work is split, so a fixed count keeps results bit-identical; set it
+/// once, before training starts. n < 1 is taken as 1.
+void set_blas_threads(int n);
+int blas_threads();
+
+/// Row-major C[m,n] = alpha * op(A) * op(B) + beta * C, where op(A) is
+/// [m,k] (A stored [m,k] with leading dimension lda, or [k,m] when
+/// trans_a) and op(B) is [k,n] (B stored [k,n], or [n,k] when trans_b).
+/// beta == 0 overwrites C (NaN in C does not leak). Sizes of 0 are fine.
+void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, float alpha,
+          const float* a, std::size_t lda, const float* b, std::size_t ldb, float beta, float* c,
+          std::size_t ldc);
+/// The same in double: the gradient checks run the network in double.
+void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, double alpha,
+          const double* a, std::size_t lda, const double* b, std::size_t ldb, double beta,
+          double* c, std::size_t ldc);
+
+/// y[r, j] += bias[j] for r < rows, j < cols (y is row-major [rows, cols]).
+void add_row_bias(float* y, const float* bias, std::size_t rows, std::size_t cols);
+void add_row_bias(double* y, const double* bias, std::size_t rows, std::size_t cols);
+
+/// sums[j] += sum_r x[r, j]: the bias gradient. Rows are added in order, so
+/// the result does not depend on anything but the inputs.
+void add_column_sums(float* sums, const float* x, std::size_t rows, std::size_t cols);
+void add_column_sums(double* sums, const double* x, std::size_t rows, std::size_t cols);
+
+} // namespace cmesh::kernels::cpu

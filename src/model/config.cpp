@@ -1,0 +1,175 @@
+#include "model/config.hpp"
+
+#include <toml++/toml.h>
+
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+namespace cmesh::model {
+
+namespace {
+
+/// One known key: reads its value into the config, or says what is wrong.
+using setter = std::function<std::string(const toml::node&, run_config&)>;
+
+std::string read_size(const toml::node& n, size_t& out, size_t min_value) {
+  auto v = n.value<int64_t>();
+  if (!v || n.type() != toml::node_type::integer)
+    return "must be an integer";
+  if (*v < static_cast<int64_t>(min_value))
+    return "must be at least " + std::to_string(min_value);
+  out = static_cast<size_t>(*v);
+  return {};
+}
+
+std::string read_double(const toml::node& n, double& out, double lo, double hi) {
+  auto v = n.value<double>();
+  if (!v)
+    return "must be a number";
+  if (*v < lo || *v > hi)
+    return "must be within [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  out = *v;
+  return {};
+}
+
+std::map<std::string, std::map<std::string, setter>> schema() {
+  std::map<std::string, std::map<std::string, setter>> s;
+  auto size_key = [](auto field, size_t min_value) -> setter {
+    return [=](const toml::node& n, run_config& c) { return read_size(n, field(c), min_value); };
+  };
+  auto double_key = [](auto field, double lo, double hi) -> setter {
+    return [=](const toml::node& n, run_config& c) { return read_double(n, field(c), lo, hi); };
+  };
+  auto& m = s["model"];
+  m["d_model"] = size_key([](run_config& c) -> size_t& { return c.model.d_model; }, 1);
+  m["context"] = size_key([](run_config& c) -> size_t& { return c.model.context; }, 1);
+  m["layers"] = size_key([](run_config& c) -> size_t& { return c.model.layers; }, 0);
+  m["ffn"] = size_key([](run_config& c) -> size_t& { return c.model.ffn; }, 1);
+  m["experts"] = size_key([](run_config& c) -> size_t& { return c.model.experts; }, 1);
+  m["top_k"] = size_key([](run_config& c) -> size_t& { return c.model.top_k; }, 1);
+  m["expert_ffn"] = size_key([](run_config& c) -> size_t& { return c.model.expert_ffn; }, 1);
+  m["capacity_factor"] =
+    double_key([](run_config& c) -> double& { return c.model.capacity_factor; }, 0.01, 1e6);
+  m["aux_loss_weight"] =
+    double_key([](run_config& c) -> double& { return c.model.aux_loss_weight; }, 0, 1e6);
+  m["init_seed"] = [](const toml::node& n, run_config& c) {
+    size_t v = 0;
+    auto e = read_size(n, v, 0);
+    c.model.init_seed = v;
+    return e;
+  };
+  auto& t = s["train"];
+  t["steps"] = size_key([](run_config& c) -> size_t& { return c.train.steps; }, 1);
+  t["global_batch"] = size_key([](run_config& c) -> size_t& { return c.train.global_batch; }, 1);
+  t["micro_batch"] = size_key([](run_config& c) -> size_t& { return c.train.micro_batch; }, 1);
+  t["seq_len"] = size_key([](run_config& c) -> size_t& { return c.train.seq_len; }, 1);
+  t["warmup"] = size_key([](run_config& c) -> size_t& { return c.train.warmup; }, 0);
+  t["log_every"] = size_key([](run_config& c) -> size_t& { return c.train.log_every; }, 1);
+  t["lr"] = double_key([](run_config& c) -> double& { return c.train.lr; }, 0, 10);
+  t["weight_decay"] = double_key([](run_config& c) -> double& { return c.train.weight_decay; }, 0, 10);
+  t["beta1"] = double_key([](run_config& c) -> double& { return c.train.beta1; }, 0, 0.999999);
+  t["beta2"] = double_key([](run_config& c) -> double& { return c.train.beta2; }, 0, 0.999999);
+  t["eps"] = double_key([](run_config& c) -> double& { return c.train.eps; }, 1e-30, 1);
+  t["grad_clip"] = double_key([](run_config& c) -> double& { return c.train.grad_clip; }, 0, 1e9);
+  t["seed"] = [](const toml::node& n, run_config& c) {
+    size_t v = 0;
+    auto e = read_size(n, v, 0);
+    c.train.seed = v;
+    return e;
+  };
+  t["exact"] = [](const toml::node& n, run_config& c) -> std::string {
+    auto v = n.value<bool>();
+    if (!v || n.type() != toml::node_type::boolean)
+      return "must be true or false";
+    c.train.exact = *v;
+    return {};
+  };
+  t["precision"] = [](const toml::node& n, run_config& c) -> std::string {
+    auto v = n.value<std::string>();
+    if (!v || (*v != "fp32" && *v != "bf16"))
+      return "must be \"fp32\" or \"bf16\"";
+    c.train.precision = *v;
+    return {};
+  };
+  s["data"]["file"] = [](const toml::node& n, run_config& c) -> std::string {
+    auto v = n.value<std::string>();
+    if (!v)
+      return "must be a string";
+    c.data.file = *v;
+    return {};
+  };
+  return s;
+}
+
+caf::error bad(const std::string& what) {
+  return make_error(errc::invalid_argument, "config: " + what);
+}
+
+} // namespace
+
+expected<run_config> parse_config(const std::string& text) {
+  toml::table root;
+  try {
+    root = toml::parse(text);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream os;
+    os << e.description() << " at line " << e.source().begin.line;
+    return bad(os.str());
+  }
+  run_config c;
+  auto keys = schema();
+  for (auto&& [section, node] : root) {
+    auto s = keys.find(std::string(section.str()));
+    if (s == keys.end())
+      return bad("unknown section [" + std::string(section.str()) + "]");
+    auto* tbl = node.as_table();
+    if (tbl == nullptr)
+      return bad("'" + std::string(section.str()) + "' must be a table");
+    for (auto&& [key, value] : *tbl) {
+      auto k = s->second.find(std::string(key.str()));
+      if (k == s->second.end())
+        return bad("unknown key '" + std::string(key.str()) + "' in [" + s->first + "]");
+      if (auto why = k->second(value, c); !why.empty())
+        return bad(s->first + "." + std::string(key.str()) + " " + why);
+    }
+  }
+  if (auto e = validate(c, 1, 1))
+    return e;
+  return c;
+}
+
+expected<run_config> load_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    return bad("cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_config(ss.str());
+}
+
+caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group) {
+  const auto& m = c.model;
+  const auto& t = c.train;
+  if (m.top_k > m.experts)
+    return bad("model.top_k (" + std::to_string(m.top_k) + ") exceeds model.experts ("
+               + std::to_string(m.experts) + ")");
+  if (t.global_batch % t.micro_batch != 0)
+    return bad("train.global_batch (" + std::to_string(t.global_batch)
+               + ") is not a multiple of train.micro_batch (" + std::to_string(t.micro_batch) + ")");
+  if (replicas == 0 || ranks_per_group == 0)
+    return bad("a layout needs at least one replica group of one rank");
+  const size_t micro_batches = t.global_batch / t.micro_batch;
+  if (micro_batches < replicas)
+    return bad(std::to_string(micro_batches) + " micro-batches per step cannot feed "
+               + std::to_string(replicas) + " replica groups");
+  if (m.experts % ranks_per_group != 0)
+    return bad("model.experts (" + std::to_string(m.experts)
+               + ") does not divide over " + std::to_string(ranks_per_group) + " ranks per group");
+  if (t.exact && t.precision != "fp32")
+    return bad("exact mode needs train.precision = \"fp32\"");
+  return {};
+}
+
+} // namespace cmesh::model

@@ -1,0 +1,63 @@
+// Configuration of a training run, read from TOML. Every key has a default
+// that trains the built-in workload in minutes on 2 CPU cores; an unknown
+// key, a wrong type or an impossible value is a clear error.
+#pragma once
+
+#include "core/error.hpp"
+
+#include <cstdint>
+#include <string>
+
+namespace cmesh::model {
+
+struct moe_config {
+  size_t d_model = 64;
+  size_t context = 8;        // causal window of previous tokens mixed per position
+  size_t layers = 2;
+  size_t ffn = 128;          // dense FFN hidden size
+  size_t experts = 4;
+  size_t top_k = 2;
+  size_t expert_ffn = 64;    // expert FFN hidden size
+  double capacity_factor = 1.25;
+  double aux_loss_weight = 0.01;
+  uint64_t init_seed = 1;
+};
+
+struct train_config {
+  size_t steps = 300;
+  size_t global_batch = 32;  // sequences per step, over all replica groups
+  size_t micro_batch = 4;    // sequences per micro-batch (the unit of contribution)
+  size_t seq_len = 64;
+  double lr = 3e-3;
+  double weight_decay = 0.01;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  size_t warmup = 20;
+  double grad_clip = 1.0;    // 0 turns clipping off
+  uint64_t seed = 1;         // data order
+  size_t log_every = 10;
+  bool exact = false;        // fixed-point gradient sums: bit-identical whatever the layout
+  std::string precision = "fp32"; // "fp32" or "bf16"
+};
+
+struct data_config {
+  std::string file;          // empty: the built-in synthetic corpus
+};
+
+struct run_config {
+  moe_config model;
+  train_config train;
+  data_config data;
+};
+
+/// Parses TOML text. Errors: invalid_argument naming the key and the problem.
+expected<run_config> parse_config(const std::string& toml_text);
+
+/// Reads and parses a file. Errors: invalid_argument (also for a missing file).
+expected<run_config> load_config(const std::string& path);
+
+/// Checks a config against a layout of `replicas` groups of `ranks_per_group`.
+caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group);
+
+} // namespace cmesh::model

@@ -1,0 +1,106 @@
+#include "model/config.hpp"
+#include "model/data.hpp"
+
+#include <doctest/doctest.h>
+
+#include <set>
+
+using namespace cmesh;
+using namespace cmesh::model;
+
+TEST_CASE("the default config is valid and an empty file gives it") {
+  auto c = parse_config("");
+  REQUIRE(c);
+  CHECK(c->model.experts == 4);
+  CHECK_FALSE(validate(*c, 2, 1));
+  CHECK_FALSE(validate(*c, 2, 2));
+}
+
+TEST_CASE("keys are read") {
+  auto c = parse_config(R"(
+[model]
+d_model = 32
+experts = 8
+capacity_factor = 2.0
+[train]
+steps = 10
+exact = true
+[data]
+file = "x.txt"
+)");
+  REQUIRE(c);
+  CHECK(c->model.d_model == 32);
+  CHECK(c->model.experts == 8);
+  CHECK(c->model.capacity_factor == 2.0);
+  CHECK(c->train.steps == 10);
+  CHECK(c->train.exact);
+  CHECK(c->data.file == "x.txt");
+}
+
+TEST_CASE("bad configs give clear errors") {
+  auto err = [](const std::string& text) {
+    auto c = parse_config(text);
+    REQUIRE_FALSE(c);
+    CHECK(code_of(c.error()) == errc::invalid_argument);
+    return describe(c.error());
+  };
+  CHECK(err("[model]\nd_modle = 3\n").find("unknown key 'd_modle' in [model]") != std::string::npos);
+  CHECK(err("[modle]\n").find("unknown section [modle]") != std::string::npos);
+  CHECK(err("[model]\nd_model = \"big\"\n").find("model.d_model must be an integer")
+        != std::string::npos);
+  CHECK(err("[model]\nd_model = 0\n").find("at least 1") != std::string::npos);
+  CHECK(err("[model]\ntop_k = 5\n").find("exceeds model.experts") != std::string::npos);
+  CHECK(err("[train]\nglobal_batch = 30\nmicro_batch = 4\n").find("not a multiple")
+        != std::string::npos);
+  CHECK(err("[train]\nprecision = \"fp8\"\n").find("precision") != std::string::npos);
+  CHECK(err("[train]\nexact = true\nprecision = \"bf16\"\n").find("exact mode") != std::string::npos);
+  CHECK(err("[model\n").find("config:") != std::string::npos);
+}
+
+TEST_CASE("impossible layouts are refused") {
+  auto c = parse_config("[model]\nexperts = 6\n[train]\nglobal_batch = 8\nmicro_batch = 4\n");
+  REQUIRE(c);
+  auto e = validate(*c, 1, 4);
+  CHECK(describe(e).find("does not divide over 4 ranks") != std::string::npos);
+  CHECK(describe(validate(*c, 3, 1)).find("cannot feed 3 replica groups") != std::string::npos);
+  CHECK_FALSE(validate(*c, 2, 3));
+}
+
+TEST_CASE("the loader is a pure function of (seed, step, micro-batch)") {
+  auto corpus = corpus::synthetic(1 << 16);
+  train_config t;
+  t.micro_batch = 3;
+  t.seq_len = 16;
+  // Steps a..b give the same samples whether the run is continuous or
+  // restarted at any step in between: nothing depends on earlier steps.
+  std::vector<batch> continuous;
+  for (uint64_t s = 5; s < 12; ++s)
+    continuous.push_back(make_micro_batch(*corpus, t, s, 1));
+  for (uint64_t restart = 5; restart < 12; ++restart)
+    for (uint64_t s = restart; s < 12; ++s)
+      CHECK(make_micro_batch(*corpus, t, s, 1).tokens == continuous[s - 5].tokens);
+  CHECK(make_micro_batch(*corpus, t, 5, 1).tokens != make_micro_batch(*corpus, t, 6, 1).tokens);
+  t.seed = 2;
+  CHECK(make_micro_batch(*corpus, t, 5, 1).tokens != continuous[0].tokens);
+}
+
+TEST_CASE("micro-batches are dealt exactly once over any membership") {
+  for (size_t micro : {1u, 7u, 8u, 16u})
+    for (size_t groups = 1; groups <= micro && groups <= 5; ++groups)
+      for (size_t ranks = 1; ranks <= 3; ++ranks) {
+        std::multiset<size_t> seen;
+        for (size_t g = 0; g < groups; ++g)
+          for (size_t r = 0; r < ranks; ++r)
+            for (auto m : micro_batches_of(micro, groups, g, ranks, r))
+              seen.insert(m);
+        CHECK(seen.size() == micro);
+        for (size_t m = 0; m < micro; ++m)
+          CHECK(seen.count(m) == 1);
+      }
+}
+
+TEST_CASE("a data file shorter than a sample is refused") {
+  auto c = corpus::load({"/nonexistent/file.txt"}, 16);
+  REQUIRE_FALSE(c);
+  CHECK(describe(c.error()).find("cannot read") != std::string::npos);
+}

@@ -1,0 +1,69 @@
+// The interface a model implements to be trained by cmesh: the built-in MoE
+// language model implements it, and so can a user's own model.
+//
+// Parameters are named tensors stored contiguously in one fp32 buffer (the
+// master weights), gradients likewise, in the same order, so that the
+// runtime can reduce, shard and checkpoint them as one flat vector or by
+// tensor. Tensors of experts say which layer and expert they belong to, so
+// that experts can be placed on (and moved between) ranks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace cmesh::model {
+
+struct tensor_info {
+  std::string name;          // "layer1.moe.expert3.w1"
+  std::vector<size_t> shape; // row-major
+  size_t offset = 0;         // into the flat parameter buffer, in elements
+  size_t size = 0;           // elements
+  int layer = -1;            // -1: not in a layer (embedding, output)
+  int expert = -1;           // -1: dense
+};
+
+/// A micro-batch of byte sequences: `sequences` rows of `seq_len + 1`
+/// tokens; the model reads tokens [0, seq_len) and predicts [1, seq_len].
+struct batch {
+  size_t sequences = 0;
+  size_t seq_len = 0;
+  std::vector<uint8_t> tokens;
+};
+
+struct step_stats {
+  double loss = 0;          // mean cross-entropy per predicted token
+  double aux_loss = 0;      // load-balancing loss (already weighted)
+  size_t tokens = 0;        // predicted tokens
+  size_t dropped = 0;       // token-expert assignments over capacity
+  std::vector<size_t> expert_load; // tokens routed to each expert, all layers
+};
+
+class model {
+public:
+  virtual ~model() = default;
+
+  virtual const std::vector<tensor_info>& tensors() const = 0;
+  /// All parameters (fp32 master weights), tensors in order.
+  virtual std::span<float> parameters() = 0;
+  /// Gradients, same layout as parameters().
+  virtual std::span<float> gradients() = 0;
+  virtual void zero_gradients() = 0;
+
+  /// Forward and backward on one micro-batch: ADDS d(loss)/d(params) to
+  /// gradients(), where loss is the micro-batch's mean token cross-entropy
+  /// plus the weighted auxiliary loss, times `loss_scale`.
+  virtual step_stats forward_backward(const batch& b, float loss_scale = 1.0f) = 0;
+
+  /// Loss only, no gradients.
+  virtual step_stats evaluate(const batch& b) = 0;
+
+  /// Number of experts per MoE layer, and of MoE layers (0 for dense models).
+  virtual size_t experts() const = 0;
+  virtual size_t moe_layers() const = 0;
+};
+
+} // namespace cmesh::model

@@ -1,0 +1,466 @@
+#include "model/moe_lm.hpp"
+
+#include "core/check.hpp"
+#include "kernels/activation.hpp"
+#include "kernels/embedding.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/loss.hpp"
+#include "kernels/moe.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+
+namespace cmesh::model {
+
+namespace {
+
+namespace kc = kernels::cpu;
+
+constexpr size_t vocab = 256;
+
+// ---------------------------------------------------------------------------
+// Layout: where each tensor lives in the flat buffer.
+
+struct expert_at {
+  size_t w1, b1, w2, b2;
+};
+
+struct layer_at {
+  size_t w1, b1, w2, b2, router;
+  std::vector<expert_at> experts;
+};
+
+struct layout {
+  size_t embed = 0, mix_w = 0, mix_b = 0, out_w = 0, out_b = 0;
+  std::vector<layer_at> layers;
+  std::vector<tensor_info> tensors;
+  size_t total = 0;
+
+  size_t add(std::string name, std::vector<size_t> shape, int layer = -1, int expert = -1) {
+    tensor_info t;
+    t.name = std::move(name);
+    t.size = 1;
+    for (size_t s : shape)
+      t.size *= s;
+    t.shape = std::move(shape);
+    t.offset = total;
+    t.layer = layer;
+    t.expert = expert;
+    total += t.size;
+    tensors.push_back(std::move(t));
+    return tensors.back().offset;
+  }
+};
+
+void check_config(const moe_config& c) {
+  CMESH_CHECK_GE(c.d_model, 1u);
+  CMESH_CHECK_GE(c.context, 1u);
+  CMESH_CHECK_GE(c.ffn, 1u);
+  CMESH_CHECK_GE(c.expert_ffn, 1u);
+  CMESH_CHECK_GE(c.top_k, 1u);
+  CMESH_CHECK_LE(c.top_k, c.experts);
+}
+
+layout make_layout(const moe_config& c) {
+  check_config(c);
+  const size_t d = c.d_model;
+  layout l;
+  l.embed = l.add("embed", {vocab, d});
+  l.mix_w = l.add("mix.w", {c.context * d, d});
+  l.mix_b = l.add("mix.b", {d});
+  for (size_t i = 0; i < c.layers; ++i) {
+    const std::string p = "layer" + std::to_string(i) + ".";
+    const int li = static_cast<int>(i);
+    layer_at at{};
+    at.w1 = l.add(p + "ffn.w1", {d, c.ffn}, li);
+    at.b1 = l.add(p + "ffn.b1", {c.ffn}, li);
+    at.w2 = l.add(p + "ffn.w2", {c.ffn, d}, li);
+    at.b2 = l.add(p + "ffn.b2", {d}, li);
+    at.router = l.add(p + "moe.router", {d, c.experts}, li);
+    for (size_t e = 0; e < c.experts; ++e) {
+      const std::string q = p + "moe.expert" + std::to_string(e) + ".";
+      const int ei = static_cast<int>(e);
+      expert_at x{};
+      x.w1 = l.add(q + "w1", {d, c.expert_ffn}, li, ei);
+      x.b1 = l.add(q + "b1", {c.expert_ffn}, li, ei);
+      x.w2 = l.add(q + "w2", {c.expert_ffn, d}, li, ei);
+      x.b2 = l.add(q + "b2", {d}, li, ei);
+      at.experts.push_back(x);
+    }
+    l.layers.push_back(std::move(at));
+  }
+  l.out_w = l.add("out.w", {d, vocab});
+  l.out_b = l.add("out.b", {vocab});
+  return l;
+}
+
+// ---------------------------------------------------------------------------
+// Initialisation.
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char ch : s)
+    h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
+// The standard deviation a tensor starts with: fan-in scaling, residual
+// branch outputs shrunk further, biases zero.
+double init_std(const moe_config& c, const tensor_info& t) {
+  const auto ends_with = [&](const char* s) {
+    const std::string suffix(s);
+    return t.name.size() >= suffix.size() &&
+           t.name.compare(t.name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (t.shape.size() == 1)
+    return 0.0;
+  const double fan_in = static_cast<double>(t.shape[0]);
+  const double residual = 1.0 / std::sqrt(2.0 * static_cast<double>(std::max<size_t>(c.layers, 1)));
+  if (t.name == "embed")
+    return 1.0;
+  if (t.name == "out.w")
+    return 0.5 / std::sqrt(fan_in);
+  if (ends_with(".w2"))
+    return residual / std::sqrt(fan_in);
+  return 1.0 / std::sqrt(fan_in); // mix.w, w1, router
+}
+
+// Uniform with the wanted standard deviation, from mt19937_64's raw output
+// (whose sequence the standard fixes, unlike its distributions').
+void fill_uniform(float* out, size_t n, double std, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const double half_width = std * std::sqrt(3.0);
+  for (size_t i = 0; i < n; ++i) {
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53; // [0, 1)
+    out[i] = static_cast<float>((2.0 * u - 1.0) * half_width);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The network, in float (training) or double (gradient checks).
+
+// y[rows, out] = x[rows, in] W[in, out] + b.
+template <class T>
+void linear(const T* x, const T* w, const T* b, size_t rows, size_t in, size_t out, T* y) {
+  kc::gemm(false, false, rows, out, in, T(1), x, in, w, out, T(0), y, out);
+  kc::add_row_bias(y, b, rows, out);
+}
+
+// Backward of linear: dW += x^T dy, db += column sums of dy, and
+// dx = dy W^T (dx_beta 0) or dx += dy W^T (dx_beta 1).
+template <class T>
+void linear_backward(const T* x, const T* dy, const T* w, size_t rows, size_t in, size_t out,
+                     T* dw, T* db, T* dx, T dx_beta) {
+  kc::gemm(true, false, in, out, rows, T(1), x, in, dy, out, T(1), dw, out);
+  kc::add_column_sums(db, dy, rows, out);
+  kc::gemm(false, true, rows, in, out, T(1), dy, out, w, out, dx_beta, dx, in);
+}
+
+// What a layer's backward pass needs from its forward pass.
+template <class T>
+struct layer_cache {
+  std::vector<T> x_in, ffn_pre, ffn_act, x_mid;
+  std::vector<T> probs, gates;
+  std::vector<int32_t> chosen, slots, counts, offsets, row_of, token_of;
+  std::vector<T> xp, e_pre, e_act, e_out; // permuted rows, per-expert blocks
+  size_t rows = 0;
+};
+
+template <class T>
+class network {
+public:
+  explicit network(const moe_config& c) : c_(c), at_(make_layout(c)), caches_(c.layers) {}
+
+  const layout& at() const { return at_; }
+
+  /// Forward, and backward when `g` is not null (adding loss_scale * grads).
+  step_stats run(const T* p, T* g, const batch& b, T loss_scale, std::vector<int32_t>* routing) {
+    p_ = p;
+    prepare(b);
+    step_stats s;
+    s.tokens = n_;
+    s.expert_load.assign(c_.layers * c_.experts, 0);
+    forward(s);
+    if (routing)
+      record_routing(*routing);
+    if (g)
+      backward(g, loss_scale);
+    return s;
+  }
+
+private:
+  size_t d() const { return c_.d_model; }
+
+  // Token ids, targets and the context window's embedding indices.
+  void prepare(const batch& b) {
+    CMESH_CHECK_EQ(b.tokens.size(), b.sequences * (b.seq_len + 1));
+    n_ = b.sequences * b.seq_len;
+    const size_t ctx = c_.context;
+    tok_.resize(n_);
+    target_.resize(n_);
+    ctx_idx_.resize(n_ * ctx);
+    for (size_t s = 0; s < b.sequences; ++s) {
+      const uint8_t* seq = b.tokens.data() + s * (b.seq_len + 1);
+      for (size_t t = 0; t < b.seq_len; ++t) {
+        const size_t n = s * b.seq_len + t;
+        tok_[n] = seq[t];
+        target_[n] = seq[t + 1];
+        for (size_t j = 0; j < ctx; ++j)
+          ctx_idx_[n * ctx + j] = t >= j ? static_cast<int32_t>(seq[t - j]) : -1;
+      }
+    }
+  }
+
+  void forward(step_stats& s) {
+    const size_t n = n_, dm = d(), cw = c_.context * dm;
+    x_.resize(n * dm);
+    ctx_.resize(n * cw);
+    mix_pre_.resize(n * dm);
+    tmp_.resize(n * std::max({dm, c_.ffn, vocab}));
+    kc::gather_rows(p_ + at_.embed, tok_.data(), n, dm, x_.data());
+    kc::gather_rows(p_ + at_.embed, ctx_idx_.data(), n * c_.context, dm, ctx_.data());
+    linear(ctx_.data(), p_ + at_.mix_w, p_ + at_.mix_b, n, cw, dm, mix_pre_.data());
+    kc::gelu_forward(mix_pre_.data(), tmp_.data(), n * dm);
+    add(x_.data(), tmp_.data(), n * dm);
+    double aux = 0;
+    for (size_t l = 0; l < c_.layers; ++l)
+      aux += layer_forward(l, s);
+    logits_.resize(n * vocab);
+    linear(x_.data(), p_ + at_.out_w, p_ + at_.out_b, n, dm, vocab, logits_.data());
+    s.loss = kc::softmax_cross_entropy_forward(logits_.data(), target_.data(), n, vocab);
+    s.aux_loss = c_.aux_loss_weight * aux;
+  }
+
+  // x_ = x_ + DenseFFN(x_), then x_ = x_ + MoE(x_). Returns the layer's
+  // unweighted aux loss.
+  double layer_forward(size_t l, step_stats& s) {
+    const layer_at& at = at_.layers[l];
+    layer_cache<T>& m = caches_[l];
+    const size_t n = n_, dm = d(), f = c_.ffn;
+    m.x_in = x_;
+    m.ffn_pre.resize(n * f);
+    m.ffn_act.resize(n * f);
+    linear(x_.data(), p_ + at.w1, p_ + at.b1, n, dm, f, m.ffn_pre.data());
+    kc::gelu_forward(m.ffn_pre.data(), m.ffn_act.data(), n * f);
+    linear(m.ffn_act.data(), p_ + at.w2, p_ + at.b2, n, f, dm, tmp_.data());
+    add(x_.data(), tmp_.data(), n * dm);
+    m.x_mid = x_;
+    route(l, s);
+    experts_forward(l);
+    // The combine adds onto x_ (== x_mid): the MoE residual.
+    kc::unpermute_tokens(m.e_out.data(), m.row_of.data(), m.gates.data(), n, c_.top_k, dm,
+                         x_.data());
+    return kc::load_balancing_loss(m.probs.data(), m.chosen.data(), n, c_.experts, c_.top_k);
+  }
+
+  // Router probabilities, top-k, capacity and the permuted input rows.
+  void route(size_t l, step_stats& s) {
+    layer_cache<T>& m = caches_[l];
+    const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k;
+    m.probs.resize(n * e);
+    kc::gemm(false, false, n, e, dm, T(1), m.x_mid.data(), dm, p_ + at_.layers[l].router, e, T(0),
+             m.probs.data(), e);
+    kc::softmax_rows(m.probs.data(), m.probs.data(), n, e);
+    m.chosen.resize(n * k);
+    m.gates.resize(n * k);
+    kc::top_k_gating(m.probs.data(), n, e, k, m.chosen.data(), m.gates.data());
+    m.slots.resize(n * k);
+    m.counts.resize(e);
+    const size_t capacity = kc::expert_capacity(c_.capacity_factor, n, e, k);
+    s.dropped += kc::assign_capacity(m.chosen.data(), n, e, k, capacity, m.slots.data(),
+                                     m.counts.data());
+    m.offsets.resize(e + 1);
+    m.row_of.resize(n * k);
+    m.token_of.resize(n * k);
+    m.rows = kc::build_permutation(m.chosen.data(), m.slots.data(), m.counts.data(), n, e, k,
+                                   m.offsets.data(), m.row_of.data(), m.token_of.data());
+    for (size_t i = 0; i < e; ++i)
+      s.expert_load[l * e + i] = static_cast<size_t>(m.counts[i]);
+    m.xp.resize(m.rows * dm);
+    kc::permute_tokens(m.x_mid.data(), m.token_of.data(), m.rows, dm, m.xp.data());
+  }
+
+  // Each expert's FFN over its contiguous block of permuted rows.
+  void experts_forward(size_t l) {
+    layer_cache<T>& m = caches_[l];
+    const size_t dm = d(), h = c_.expert_ffn;
+    m.e_pre.resize(m.rows * h);
+    m.e_act.resize(m.rows * h);
+    m.e_out.resize(m.rows * dm);
+    for (size_t e = 0; e < c_.experts; ++e) {
+      const expert_at& x = at_.layers[l].experts[e];
+      const size_t first = static_cast<size_t>(m.offsets[e]);
+      const size_t cnt = static_cast<size_t>(m.counts[e]);
+      T* pre = m.e_pre.data() + first * h;
+      T* act = m.e_act.data() + first * h;
+      linear(m.xp.data() + first * dm, p_ + x.w1, p_ + x.b1, cnt, dm, h, pre);
+      kc::gelu_forward(pre, act, cnt * h);
+      linear(act, p_ + x.w2, p_ + x.b2, cnt, h, dm, m.e_out.data() + first * dm);
+    }
+  }
+
+  void backward(T* g, T loss_scale) {
+    const size_t n = n_, dm = d(), cw = c_.context * dm;
+    dlogits_.resize(n * vocab);
+    kc::softmax_cross_entropy_backward(logits_.data(), target_.data(), n, vocab, loss_scale,
+                                       dlogits_.data());
+    dx_.resize(n * dm);
+    linear_backward(x_.data(), dlogits_.data(), p_ + at_.out_w, n, dm, vocab, g + at_.out_w,
+                    g + at_.out_b, dx_.data(), T(0));
+    for (size_t l = c_.layers; l-- > 0;)
+      layer_backward(l, g, loss_scale);
+    // x = embed[tok] + gelu(mix(ctx)).
+    kc::gelu_backward(mix_pre_.data(), dx_.data(), tmp_.data(), n * dm);
+    dctx_.resize(n * cw);
+    linear_backward(ctx_.data(), tmp_.data(), p_ + at_.mix_w, n, cw, dm, g + at_.mix_w,
+                    g + at_.mix_b, dctx_.data(), T(0));
+    kc::scatter_add_rows(dx_.data(), tok_.data(), n, dm, g + at_.embed);
+    kc::scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, g + at_.embed);
+  }
+
+  // On entry dx_ is d(loss)/d(layer output); on exit d(loss)/d(layer input).
+  void layer_backward(size_t l, T* g, T loss_scale) {
+    moe_backward(l, g, loss_scale);
+    const layer_at& at = at_.layers[l];
+    layer_cache<T>& m = caches_[l];
+    const size_t n = n_, dm = d(), f = c_.ffn;
+    dact_.resize(n * f);
+    linear_backward(m.ffn_act.data(), dx_.data(), p_ + at.w2, n, f, dm, g + at.w2, g + at.b2,
+                    dact_.data(), T(0));
+    kc::gelu_backward(m.ffn_pre.data(), dact_.data(), dact_.data(), n * f);
+    linear_backward(m.x_in.data(), dact_.data(), p_ + at.w1, n, dm, f, g + at.w1, g + at.b1,
+                    dx_.data(), T(1));
+  }
+
+  // x_out = x_mid + combine(experts(permute(x_mid)), gates(router(x_mid))):
+  // turns dx_ from d/d(x_out) into d/d(x_mid).
+  void moe_backward(size_t l, T* g, T loss_scale) {
+    layer_cache<T>& m = caches_[l];
+    const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k, h = c_.expert_ffn;
+    de_out_.resize(m.rows * dm);
+    dgates_.resize(n * k);
+    kc::unpermute_tokens_backward(dx_.data(), m.e_out.data(), m.row_of.data(), m.gates.data(), n,
+                                  k, dm, de_out_.data(), dgates_.data());
+    dxp_.resize(m.rows * dm);
+    dact_.resize(m.rows * h);
+    for (size_t i = 0; i < e; ++i) {
+      const expert_at& x = at_.layers[l].experts[i];
+      const size_t first = static_cast<size_t>(m.offsets[i]);
+      const size_t cnt = static_cast<size_t>(m.counts[i]);
+      T* da = dact_.data() + first * h;
+      linear_backward(m.e_act.data() + first * h, de_out_.data() + first * dm, p_ + x.w2, cnt, h,
+                      dm, g + x.w2, g + x.b2, da, T(0));
+      kc::gelu_backward(m.e_pre.data() + first * h, da, da, cnt * h);
+      linear_backward(m.xp.data() + first * dm, da, p_ + x.w1, cnt, dm, h, g + x.w1, g + x.b1,
+                      dxp_.data() + first * dm, T(0));
+    }
+    kc::permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
+    router_backward(l, g, loss_scale);
+  }
+
+  // Gates and the aux loss back to the router weights and x_mid.
+  void router_backward(size_t l, T* g, T loss_scale) {
+    layer_cache<T>& m = caches_[l];
+    const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k;
+    dprobs_.assign(n * e, T(0));
+    kc::top_k_gating_backward(m.probs.data(), m.chosen.data(), m.gates.data(), dgates_.data(), n,
+                              e, k, dprobs_.data());
+    const T aux_weight = static_cast<T>(c_.aux_loss_weight) * loss_scale;
+    kc::load_balancing_backward(m.chosen.data(), n, e, k, aux_weight, dprobs_.data());
+    kc::softmax_rows_backward(m.probs.data(), dprobs_.data(), dprobs_.data(), n, e);
+    const size_t router = at_.layers[l].router;
+    kc::gemm(true, false, dm, e, n, T(1), m.x_mid.data(), dm, dprobs_.data(), e, T(1), g + router,
+             e);
+    kc::gemm(false, true, n, dm, e, T(1), dprobs_.data(), e, p_ + router, e, T(1), dx_.data(), dm);
+  }
+
+  void record_routing(std::vector<int32_t>& out) const {
+    out.clear();
+    for (const auto& m : caches_)
+      for (size_t a = 0; a < m.chosen.size(); ++a)
+        out.push_back(m.slots[a] >= 0 ? m.chosen[a] : -1 - m.chosen[a]);
+  }
+
+  static void add(T* y, const T* x, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      y[i] += x[i];
+  }
+
+  moe_config c_;
+  layout at_;
+  const T* p_ = nullptr;
+  size_t n_ = 0;
+  std::vector<int32_t> tok_, target_, ctx_idx_;
+  std::vector<T> x_, ctx_, mix_pre_, logits_, tmp_;
+  std::vector<layer_cache<T>> caches_;
+  std::vector<T> dlogits_, dx_, dctx_, dact_, de_out_, dgates_, dxp_, dprobs_;
+};
+
+// ---------------------------------------------------------------------------
+// The model interface over the float network.
+
+class moe_lm final : public model {
+public:
+  explicit moe_lm(const moe_config& c)
+      : c_(c), net_(c), params_(net_.at().total), grads_(net_.at().total, 0.0f) {
+    moe_lm_init(c, params_);
+  }
+
+  const std::vector<tensor_info>& tensors() const override { return net_.at().tensors; }
+  std::span<float> parameters() override { return params_; }
+  std::span<float> gradients() override { return grads_; }
+  void zero_gradients() override { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+
+  step_stats forward_backward(const batch& b, float loss_scale) override {
+    return net_.run(params_.data(), grads_.data(), b, loss_scale, nullptr);
+  }
+  step_stats evaluate(const batch& b) override {
+    return net_.run(params_.data(), nullptr, b, 1.0f, nullptr);
+  }
+
+  size_t experts() const override { return c_.experts; }
+  size_t moe_layers() const override { return c_.layers; }
+
+private:
+  moe_config c_;
+  network<float> net_;
+  std::vector<float> params_, grads_;
+};
+
+} // namespace
+
+std::unique_ptr<model> make_moe_lm(const moe_config& c) { return std::make_unique<moe_lm>(c); }
+
+std::vector<tensor_info> moe_lm_tensors(const moe_config& c) { return make_layout(c).tensors; }
+
+size_t moe_lm_parameter_count(const moe_config& c) { return make_layout(c).total; }
+
+void moe_lm_init(const moe_config& c, std::span<float> params) {
+  const layout l = make_layout(c);
+  CMESH_CHECK_EQ(params.size(), l.total);
+  for (const tensor_info& t : l.tensors) {
+    const uint64_t seed = splitmix64(c.init_seed ^ splitmix64(fnv1a(t.name)));
+    fill_uniform(params.data() + t.offset, t.size, init_std(c, t), seed);
+  }
+}
+
+step_stats moe_lm_forward_backward_f64(const moe_config& c, std::span<const double> params,
+                                       std::span<double> grads, const batch& b,
+                                       std::vector<int32_t>* routing) {
+  network<double> net(c);
+  CMESH_CHECK_EQ(params.size(), net.at().total);
+  if (!grads.empty())
+    CMESH_CHECK_EQ(grads.size(), net.at().total);
+  return net.run(params.data(), grads.empty() ? nullptr : grads.data(), b, 1.0, routing);
+}
+
+} // namespace cmesh::model

@@ -1,0 +1,299 @@
+#include "model/moe_lm.hpp"
+
+#include "kernels/gemm.hpp"
+#include "kernels/optim.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace cmesh::model;
+
+namespace {
+
+moe_config tiny_config(size_t layers) {
+  moe_config c;
+  c.d_model = 8;
+  c.context = 3;
+  c.layers = layers;
+  c.ffn = 8;
+  c.experts = 4;
+  c.top_k = 2;
+  c.expert_ffn = 6;
+  c.capacity_factor = 2.0; // experts / top_k: no expert can overflow
+  c.aux_loss_weight = 0.1; // larger than the default, so its gradient shows
+  c.init_seed = 7;
+  return c;
+}
+
+// `sequences` windows of seq_len + 1 bytes of `text`, at deterministic offsets.
+batch make_batch(const std::string& text, size_t sequences, size_t seq_len, std::mt19937& rng) {
+  batch b;
+  b.sequences = sequences;
+  b.seq_len = seq_len;
+  std::uniform_int_distribution<size_t> start(0, text.size() - seq_len - 2);
+  for (size_t s = 0; s < sequences; ++s) {
+    const size_t at = start(rng);
+    b.tokens.insert(b.tokens.end(), text.begin() + static_cast<long>(at),
+                    text.begin() + static_cast<long>(at + seq_len + 1));
+  }
+  return b;
+}
+
+std::string repeated_text(size_t bytes) {
+  const std::string sentence = "the quick brown fox jumps over the lazy dog; ";
+  std::string t;
+  while (t.size() < bytes)
+    t += sentence;
+  return t;
+}
+
+batch tiny_batch() {
+  std::mt19937 rng(3);
+  return make_batch("a small text, for the gradient check of the whole model.", 2, 6, rng);
+}
+
+std::vector<double> initial_params_f64(const moe_config& c) {
+  std::vector<float> p(moe_lm_parameter_count(c));
+  moe_lm_init(c, p);
+  std::vector<double> d(p.begin(), p.end());
+  // Biases start at zero; nudge them so that their paths are exercised too.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> u(-0.1, 0.1);
+  for (const auto& t : moe_lm_tensors(c))
+    if (t.shape.size() == 1)
+      for (size_t i = 0; i < t.size; ++i)
+        d[t.offset + i] = u(rng);
+  return d;
+}
+
+double total_loss(const step_stats& s) { return s.loss + s.aux_loss; }
+
+} // namespace
+
+TEST_CASE("moe_lm: tensor layout, names and parameter count") {
+  const moe_config c; // defaults
+  const auto ts = moe_lm_tensors(c);
+  REQUIRE(ts.size() == 3 + c.layers * (5 + 4 * c.experts) + 2);
+  size_t at = 0;
+  for (const auto& t : ts) {
+    CAPTURE(t.name);
+    CHECK(t.offset == at); // contiguous, in order
+    at += t.size;
+  }
+  CHECK(at == moe_lm_parameter_count(c));
+  CHECK(at == 166080); // see the architecture in moe_lm.hpp
+  CHECK(ts.front().name == "embed");
+  CHECK(ts[1].name == "mix.w");
+  CHECK(ts[3].name == "layer0.ffn.w1");
+  CHECK(ts[7].name == "layer0.moe.router");
+  CHECK(ts[7].layer == 0);
+  CHECK(ts[7].expert == -1);
+  CHECK(ts[8].name == "layer0.moe.expert0.w1");
+  CHECK(ts[8].expert == 0);
+  CHECK(ts[8].shape == std::vector<size_t>{c.d_model, c.expert_ffn});
+  const auto& e = ts[7 + 1 + 4 * 2 + 2]; // expert2.w2
+  CHECK(e.name == "layer0.moe.expert2.w2");
+  CHECK(e.layer == 0);
+  CHECK(e.expert == 2);
+  CHECK(ts.back().name == "out.b");
+  CHECK(ts.back().layer == -1);
+
+  auto m = make_moe_lm(c);
+  CHECK(m->parameters().size() == at);
+  CHECK(m->gradients().size() == at);
+  CHECK(m->experts() == 4);
+  CHECK(m->moe_layers() == 2);
+}
+
+TEST_CASE("moe_lm: initialisation is a pure function of the config") {
+  moe_config c = tiny_config(2);
+  std::vector<float> a(moe_lm_parameter_count(c)), b(a.size());
+  moe_lm_init(c, a);
+  moe_lm_init(c, b);
+  CHECK(a == b);
+  c.init_seed = 8;
+  moe_lm_init(c, b);
+  CHECK(a != b);
+  // A tensor's values depend on its name, not on the tensors before it.
+  moe_config one = tiny_config(1);
+  one.init_seed = 7;
+  std::vector<float> p1(moe_lm_parameter_count(one));
+  moe_lm_init(one, p1);
+  const auto t2 = moe_lm_tensors(tiny_config(2));
+  const auto t1 = moe_lm_tensors(one);
+  CHECK(t1[3].name == t2[3].name);
+  CHECK(std::equal(p1.begin() + static_cast<long>(t1[3].offset),
+                   p1.begin() + static_cast<long>(t1[3].offset + t1[3].size),
+                   a.begin() + static_cast<long>(t2[3].offset)));
+}
+
+TEST_CASE("moe_lm: whole-model gradient matches central differences (double)") {
+  for (const size_t layers : {size_t{1}, size_t{2}}) {
+    CAPTURE(layers);
+    const moe_config c = tiny_config(layers);
+    const batch b = tiny_batch();
+    auto p = initial_params_f64(c);
+    std::vector<double> g(p.size(), 0.0);
+    std::vector<int32_t> base_routing;
+    const step_stats s = moe_lm_forward_backward_f64(c, p, g, b, &base_routing);
+    CHECK(s.dropped == 0);
+    CHECK(s.tokens == 12);
+    CHECK(s.aux_loss > 0);
+
+    // About 200 parameters, a few from every tensor.
+    const auto ts = moe_lm_tensors(c);
+    const size_t per_tensor = std::max<size_t>(2, (200 + ts.size() - 1) / ts.size());
+    std::mt19937 rng(static_cast<unsigned>(layers));
+    const double h = 1e-5;
+    double worst = 0;
+    size_t checked = 0, skipped = 0;
+    std::vector<int32_t> routing;
+    for (const auto& t : ts) {
+      CAPTURE(t.name);
+      std::uniform_int_distribution<size_t> pick(0, t.size - 1);
+      for (size_t r = 0; r < std::min(per_tensor, t.size); ++r) {
+        const size_t i = t.offset + (t.size <= per_tensor ? r : pick(rng));
+        const double keep = p[i];
+        p[i] = keep + h;
+        const double up = total_loss(moe_lm_forward_backward_f64(c, p, {}, b, &routing));
+        const bool same_up = routing == base_routing;
+        p[i] = keep - h;
+        const double down = total_loss(moe_lm_forward_backward_f64(c, p, {}, b, &routing));
+        const bool same_down = routing == base_routing;
+        p[i] = keep;
+        if (!same_up || !same_down) { // crossed a routing discontinuity
+          ++skipped;
+          continue;
+        }
+        const double fd = (up - down) / (2 * h);
+        const double err = std::fabs(fd - g[i]) / std::max({std::fabs(fd), std::fabs(g[i]), 1e-6});
+        if (err > 1e-5)
+          MESSAGE(t.name << "[" << i - t.offset << "]: analytic " << g[i] << " numeric " << fd);
+        worst = std::max(worst, err);
+        ++checked;
+      }
+    }
+    MESSAGE("gradient check, " << layers << " layer(s): " << checked << " parameters, "
+                               << skipped << " skipped, max relative error " << worst);
+    CHECK(checked >= 190);
+    CHECK(skipped * 10 <= checked);
+    CHECK(worst < 1e-5);
+  }
+}
+
+TEST_CASE("moe_lm: the float model computes what the checked double network does") {
+  const moe_config c = tiny_config(2);
+  const batch b = tiny_batch();
+  auto m = make_moe_lm(c);
+  const auto p = m->parameters();
+  std::vector<double> pd(p.begin(), p.end()), gd(pd.size(), 0.0);
+  const step_stats sd = moe_lm_forward_backward_f64(c, pd, gd, b);
+  m->zero_gradients();
+  const step_stats sf = m->forward_backward(b, 1.0f);
+  CHECK(sf.loss == doctest::Approx(sd.loss).epsilon(1e-5));
+  CHECK(sf.aux_loss == doctest::Approx(sd.aux_loss).epsilon(1e-5));
+  CHECK(sf.expert_load == sd.expert_load);
+  double scale = 0, diff = 0;
+  const auto g = m->gradients();
+  for (size_t i = 0; i < g.size(); ++i) {
+    scale = std::max(scale, std::fabs(gd[i]));
+    diff = std::max(diff, std::fabs(gd[i] - g[i]));
+  }
+  CHECK(diff <= 1e-4 * scale);
+  // evaluate() agrees with forward_backward() and leaves gradients alone.
+  const std::vector<float> before(g.begin(), g.end());
+  const step_stats se = m->evaluate(b);
+  CHECK(se.loss == sf.loss);
+  CHECK(std::equal(before.begin(), before.end(), g.begin()));
+}
+
+TEST_CASE("moe_lm: gradients are bit-identical run to run, and loss_scale scales them") {
+  moe_config c; // the default size
+  std::mt19937 rng(5);
+  const batch b = make_batch(repeated_text(4096), 4, 64, rng);
+  auto m1 = make_moe_lm(c);
+  auto m2 = make_moe_lm(c);
+  const step_stats s1 = m1->forward_backward(b, 1.0f);
+  const step_stats s2 = m2->forward_backward(b, 1.0f);
+  CHECK(s1.loss == s2.loss);
+  CHECK(s1.expert_load == s2.expert_load);
+  const auto g1 = m1->gradients(), g2 = m2->gradients();
+  CHECK(std::memcmp(g1.data(), g2.data(), g1.size_bytes()) == 0);
+
+  // Same model again after zeroing; and a power-of-two loss scale is exact.
+  const std::vector<float> first(g1.begin(), g1.end());
+  m1->zero_gradients();
+  m1->forward_backward(b, 1.0f);
+  CHECK(std::memcmp(first.data(), g1.data(), g1.size_bytes()) == 0);
+  m1->zero_gradients();
+  m1->forward_backward(b, 1024.0f);
+  size_t inexact = 0;
+  for (size_t i = 0; i < first.size(); ++i)
+    inexact += g1[i] != 1024.0f * first[i];
+  CHECK(inexact == 0);
+
+  // Accounting: every token is routed top_k times, kept or dropped.
+  size_t routed = 0;
+  for (size_t n : s1.expert_load)
+    routed += n;
+  CHECK(s1.expert_load.size() == c.layers * c.experts);
+  CHECK(routed + s1.dropped == c.layers * c.top_k * s1.tokens);
+  CHECK(s1.tokens == 4 * 64);
+}
+
+TEST_CASE("moe_lm: over capacity, assignments are dropped and counted") {
+  moe_config c = tiny_config(1);
+  c.capacity_factor = 0.5; // capacity 3 of 12 * 2 assignments over 4 experts
+  const step_stats s = make_moe_lm(c)->evaluate(tiny_batch());
+  size_t kept = 0;
+  for (size_t n : s.expert_load) {
+    CHECK(n <= 3);
+    kept += n;
+  }
+  CHECK(s.dropped > 0);
+  CHECK(kept + s.dropped == 24);
+}
+
+TEST_CASE("moe_lm: 150 AdamW steps learn a repetitive text (loss < 1.0 from ~5.5)") {
+  cmesh::kernels::cpu::set_blas_threads(1);
+  moe_config c; // the default model
+  auto m = make_moe_lm(c);
+  const std::string text = repeated_text(1 << 14);
+  std::mt19937 rng(9);
+  const size_t n = m->parameters().size();
+  std::vector<float> mom(n, 0.0f), var(n, 0.0f);
+  cmesh::kernels::cpu::adamw_params hp;
+  hp.lr = 3e-3f;
+  hp.beta2 = 0.95f;
+  hp.weight_decay = 0.01f;
+  double first = 0, last = 0;
+  double seconds = 0;
+  const int steps = 150;
+  for (int step = 1; step <= steps; ++step) {
+    const batch b = make_batch(text, 4, 64, rng);
+    m->zero_gradients();
+    const auto t0 = std::chrono::steady_clock::now();
+    const step_stats s = m->forward_backward(b, 1.0f);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    auto g = m->gradients();
+    const double norm = cmesh::kernels::cpu::l2_norm(g.data(), n);
+    cmesh::kernels::cpu::clip_to_norm(g.data(), n, norm, 1.0);
+    cmesh::kernels::cpu::adamw_step(m->parameters().data(), g.data(), mom.data(), var.data(), n,
+                                    hp, static_cast<uint64_t>(step));
+    if (step == 1)
+      first = s.loss;
+    last = s.loss;
+    REQUIRE(std::isfinite(s.loss));
+  }
+  MESSAGE("training: loss " << first << " -> " << last << " in " << steps << " steps; "
+                            << 1e3 * seconds / steps << " ms per forward_backward (4x64 tokens)");
+  CHECK(first > 5.0);
+  CHECK(last < 1.0);
+}

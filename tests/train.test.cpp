@@ -1,0 +1,97 @@
+// Training the built-in MoE workload end to end under `cmesh launch`.
+#include "node_harness.hpp"
+
+#include <fstream>
+#include <map>
+#include <set>
+#include <regex>
+
+using namespace cmesh;
+using namespace cmesh::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Stated bounds of the default workload (see docs/design.md, Training).
+constexpr double loss_threshold = 1.5; // nats per byte; log(256) = 5.55 at the start
+constexpr int threshold_steps = 40;
+
+std::string field(const std::string& out, const std::string& key) {
+  std::smatch m;
+  std::regex re(key + "=([^ \\n]+)");
+  return std::regex_search(out, m, re) ? m[1].str() : std::string{};
+}
+
+std::map<int, double> loss_curve(const std::string& out) {
+  std::map<int, double> curve;
+  std::regex re("step +([0-9]+) +loss ([0-9.]+)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+       ++it)
+    curve[std::stoi((*it)[1].str())] = std::stod((*it)[2].str());
+  return curve;
+}
+
+run_result train(const std::string& args) {
+  auto r = run_cmesh("launch " + args, {}, 600s);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  return r;
+}
+
+} // namespace
+
+TEST_CASE("the loss falls below the threshold at 1x1 and 2x1") {
+  for (int n : {1, 2}) {
+    CAPTURE(n);
+    auto r = train("-n " + std::to_string(n) + " --steps " + std::to_string(threshold_steps)
+                   + " --log-every 25");
+    auto loss = std::stod(field(r.output, "loss"));
+    MESSAGE(n << "x1: loss " << loss << " after " << threshold_steps << " steps, "
+              << field(r.output, "tokens/s") << " tokens/s");
+    CHECK(loss < loss_threshold);
+  }
+}
+
+TEST_CASE("with the same global batch the 2x1 loss curve matches 1x1") {
+  auto one = loss_curve(train("-n 1 --steps 40 --log-every 5").output);
+  auto two = loss_curve(train("-n 2 --steps 40 --log-every 5").output);
+  REQUIRE(one.size() >= 8);
+  REQUIRE(one.size() == two.size());
+  double worst = 0;
+  for (auto [step, loss] : one)
+    worst = std::max(worst, std::abs(loss - two.at(step)));
+  MESSAGE("largest difference in loss: " << worst);
+  CHECK(worst < 0.02); // only float summation order differs
+}
+
+TEST_CASE("exact mode: final weights are bit-identical across layouts") {
+  std::set<std::string> weights;
+  for (int n : {1, 2, 4}) {
+    auto r = train("-n " + std::to_string(n) + " --exact --steps 12 --log-every 4");
+    auto w = field(r.output, "weights");
+    MESSAGE(n << "x1 exact: weights " << w);
+    REQUIRE(w.size() == 16);
+    weights.insert(w);
+  }
+  CHECK(weights.size() == 1);
+}
+
+TEST_CASE("bad configs and layouts are clear errors") {
+  auto path = "/tmp/cmesh_bad_config_" + std::to_string(getpid()) + ".toml";
+  {
+    std::ofstream(path) << "[model]\nexperts = 5\ntop_k = 7\n";
+  }
+  auto r = run_cmesh("launch -n 1 --config " + path);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("top_k") != std::string::npos);
+  {
+    std::ofstream(path) << "[train]\nlearning_rate = 1\n";
+  }
+  r = run_cmesh("launch -n 1 --config " + path);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("unknown key 'learning_rate'") != std::string::npos);
+  std::remove(path.c_str());
+  r = run_cmesh("launch -n 3 --replicas 2");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("replica groups") != std::string::npos);
+}
