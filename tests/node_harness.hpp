@@ -19,6 +19,8 @@
 
 namespace cmesh::testing {
 
+using namespace std::chrono_literals;
+
 inline std::string bin_dir() {
   if (const char* d = std::getenv("CMESH_BIN_DIR"))
     return d;

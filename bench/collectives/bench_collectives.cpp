@@ -378,8 +378,16 @@ int node_main(const std::vector<std::string>& args) {
   } else {
     std::fprintf(stderr, "cmesh_bench_collectives node: bad arguments\n");
   }
+  const bool trace = env_string("CMESH_BENCH_TRACE_EXIT").has_value();
+  if (trace)
+    std::fprintf(stderr, "rank %u: releasing the collectives worker\n", nd.rank);
+  nd.ctx.reset(); // UCX reports leftovers of the collectives' worker here
+  if (trace)
+    std::fprintf(stderr, "rank %u: stopping the transport\n", nd.rank);
   nd.j.net->begin_shutdown();
   nd.j.net->stop();
+  if (trace)
+    std::fprintf(stderr, "rank %u: transport stopped\n", nd.rank);
   return rc;
 }
 

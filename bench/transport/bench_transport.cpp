@@ -30,8 +30,9 @@
 // POLL = cv | default | frames; "50:frames,50:cv,1000:cv,50:default"),
 // CMESH_BENCH_LAT_ITERS (20000),
 // CMESH_BENCH_LAT_WARMUP (2000), CMESH_BENCH_BW_MSGS (500), CMESH_BENCH_BW_WARMUP
-// (32), CMESH_BENCH_WINDOW (16), CMESH_BENCH_CAF_BW_MSGS (100),
-// CMESH_BENCH_TIME_CAP_S (3: a measurement stops early after this long),
+// (16), CMESH_BENCH_WINDOW (16), CMESH_BENCH_CAF_BW_MSGS (100),
+// CMESH_BENCH_TIME_CAP_S (2: a measurement stops early after this long, a
+// latency warm-up after a third of it),
 // CMESH_BENCH_UCX_ANCHOR (path of ucx.sh), CMESH_BENCH_SKIP_UCX=1,
 // CMESH_BENCH_SKIP_CAF=1, CMESH_BENCH_VERBOSE=1 (every figure measured).
 #include "core/env.hpp"
@@ -88,13 +89,13 @@ uint64_t env_u64(const char* name, uint64_t fallback) {
 struct params {
   uint64_t lat_warmup = env_u64("CMESH_BENCH_LAT_WARMUP", 2000);
   uint64_t lat_iters = env_u64("CMESH_BENCH_LAT_ITERS", 20000);
-  uint64_t bw_warmup = env_u64("CMESH_BENCH_BW_WARMUP", 32);
+  uint64_t bw_warmup = env_u64("CMESH_BENCH_BW_WARMUP", 16);
   uint64_t bw_msgs = env_u64("CMESH_BENCH_BW_MSGS", 500);
   uint64_t caf_bw_msgs = env_u64("CMESH_BENCH_CAF_BW_MSGS", 100);
   uint64_t window = env_u64("CMESH_BENCH_WINDOW", 16);
   /// Each measurement stops early after this long (a slow path must not make
   /// the whole benchmark slow); the figures say how many messages counted.
-  int64_t cap_ns = static_cast<int64_t>(env_u64("CMESH_BENCH_TIME_CAP_S", 3)) * 1'000'000'000;
+  int64_t cap_ns = static_cast<int64_t>(env_u64("CMESH_BENCH_TIME_CAP_S", 2)) * 1'000'000'000;
 };
 
 /// The CAF scheduler of every benchmark process: two workers, as `cmesh
@@ -119,6 +120,7 @@ struct pingpong {
   int64_t cap_ns = 0;
   uint64_t seq = 0; // of the ping in flight
   int64_t sent_ns = 0;
+  int64_t first_ns = 0; // of the first ping
   int64_t start_ns = 0; // of the first measured ping
   std::vector<int64_t> rtt_ns;
 
@@ -128,6 +130,8 @@ struct pingpong {
 
   void sent() {
     sent_ns = mono_ns();
+    if (seq == 0)
+      first_ns = sent_ns;
     if (seq == warmup)
       start_ns = sent_ns;
   }
@@ -136,6 +140,8 @@ struct pingpong {
     auto now = mono_ns();
     if (seq >= warmup)
       rtt_ns.push_back(now - sent_ns);
+    else if (now - first_ns > cap_ns / 3)
+      warmup = seq + 1; // a slow path: cut the warm-up short as well
     ++seq;
     if (seq > warmup && now - start_ns > cap_ns)
       return false;
