@@ -18,7 +18,7 @@ constexpr int threshold_steps = 40;
 
 std::string field(const std::string& out, const std::string& key) {
   std::smatch m;
-  std::regex re(key + "=([^ \\n]+)");
+  std::regex re(key + "=([0-9a-zA-Z.+-]+)");
   return std::regex_search(out, m, re) ? m[1].str() : std::string{};
 }
 

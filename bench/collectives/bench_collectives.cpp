@@ -363,7 +363,7 @@ int node_main(const std::vector<std::string>& args) {
     std::fprintf(stderr, "rank %u: host_context: %s\n", nd.rank, describe(ctx.error()).c_str());
     return 3;
   }
-  nd.ctx = *ctx;
+  nd.ctx = std::move(*ctx);
   if (auto e = nd.j.net->start()) {
     std::fprintf(stderr, "rank %u: transport: %s\n", nd.rank, describe(e).c_str());
     return 3;
@@ -378,16 +378,24 @@ int node_main(const std::vector<std::string>& args) {
   } else {
     std::fprintf(stderr, "cmesh_bench_collectives node: bad arguments\n");
   }
+  // CMESH_BENCH_TRACE_EXIT: wall-clock marks (UCX's log format) around the
+  // release of each worker, to tell whose leftovers UCX warns about.
   const bool trace = env_string("CMESH_BENCH_TRACE_EXIT").has_value();
-  if (trace)
-    std::fprintf(stderr, "rank %u: releasing the collectives worker\n", nd.rank);
-  nd.ctx.reset(); // UCX reports leftovers of the collectives' worker here
-  if (trace)
-    std::fprintf(stderr, "rank %u: stopping the transport\n", nd.rank);
+  auto mark = [&](const char* what) {
+    if (!trace)
+      return;
+    auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                std::chrono::system_clock::now().time_since_epoch()).count();
+    std::fprintf(stderr, "[%lld.%06lld] rank %u pid %d: %s\n", static_cast<long long>(us / 1000000),
+                 static_cast<long long>(us % 1000000), nd.rank, getpid(), what);
+  };
+  mark("releasing the collectives worker");
+  nd.ctx.reset();
+  mark("stopping the transport");
   nd.j.net->begin_shutdown();
   nd.j.net->stop();
-  if (trace)
-    std::fprintf(stderr, "rank %u: transport stopped\n", nd.rank);
+  nd.j.net.reset();
+  mark("transport destroyed");
   return rc;
 }
 
