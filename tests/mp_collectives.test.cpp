@@ -12,33 +12,8 @@ using namespace cmesh;
 using namespace cmesh::testing;
 using namespace std::chrono_literals;
 
-namespace {
-
-struct error_report {
-  std::string code;
-  int64_t mono_ns = 0;
-  std::string text;
-};
-
-error_report parse_error(const wire::report& r) {
-  error_report e;
-  std::istringstream in(r.value);
-  in >> e.code >> e.mono_ns;
-  std::getline(in, e.text);
-  return e;
-}
-
-uint64_t seed() {
-  uint64_t s = std::random_device{}();
-  if (const char* v = std::getenv("CMESH_SEED"))
-    s = std::strtoull(v, nullptr, 10);
-  return s;
-}
-
-} // namespace
-
 TEST_CASE("every operation, dtype and size matches a serial reference") {
-  auto s = seed();
+  auto s = test_seed();
   MESSAGE("seed " << s << " (set CMESH_SEED to replay)");
   // 64 MiB of float32 once, at 2 ranks; smaller sizes at 2, 3 and 4 ranks.
   for (uint32_t n : {2u, 3u, 4u}) {

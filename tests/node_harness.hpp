@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <random>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -94,6 +95,29 @@ private:
   std::vector<std::pair<std::string, std::string>> env_;
   std::vector<child_process> nodes_;
 };
+
+/// A worker's error report: "<errc> <mono_ns> <text>".
+struct error_report {
+  std::string code;
+  int64_t mono_ns = 0;
+  std::string text;
+};
+
+inline error_report parse_error(const wire::report& r) {
+  error_report e;
+  std::istringstream in(r.value);
+  in >> e.code >> e.mono_ns;
+  std::getline(in, e.text);
+  return e;
+}
+
+/// A random seed, or CMESH_SEED to replay one; callers print it.
+inline uint64_t test_seed() {
+  uint64_t s = std::random_device{}();
+  if (const char* v = std::getenv("CMESH_SEED"))
+    s = std::strtoull(v, nullptr, 10);
+  return s;
+}
 
 /// Runs the cmesh command with extra environment; output is stdout and
 /// stderr together.

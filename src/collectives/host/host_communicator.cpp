@@ -96,6 +96,15 @@ bool has_overflow_marker(const void* buf, size_t count, dtype t, reduce_op op) {
 
 void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status);
 
+/// The failure detector's verdict on a member, as this operation's error:
+/// peer_lost or peer_unresponsive, always naming the rank.
+caf::error member_error(uint32_t rank, const caf::error& e) {
+  auto c = code_of(e);
+  if (c == errc::peer_lost || c == errc::peer_unresponsive)
+    return e; // the transport's reasons already name the rank
+  return make_error(errc::peer_lost, "rank " + std::to_string(rank) + ": " + describe(e));
+}
+
 class host_comm final : public communicator {
 public:
   host_comm(std::shared_ptr<host_context> ctx, membership m, size_t me, peer_status status,
@@ -353,8 +362,7 @@ caf::error host_comm::check_failures() {
     // Prefer the failure detector's reason (it knows a death from a hang).
     if (status_)
       if (auto e = status_(m_.ranks[i]))
-        return make_error(code_of(e) == errc::ok ? errc::peer_lost : code_of(e),
-                          "rank " + std::to_string(m_.ranks[i]) + ": " + describe(e));
+        return member_error(m_.ranks[i], e);
     return make_error(errc::peer_lost, "rank " + std::to_string(m_.ranks[i]) + ": "
                                          + ucs_status_string(ep_status_));
   }
@@ -362,11 +370,8 @@ caf::error host_comm::check_failures() {
     for (size_t i = 0; i < n(); ++i) {
       if (i == me_)
         continue;
-      if (auto e = status_(m_.ranks[i])) {
-        auto c = code_of(e);
-        return make_error(c == errc::peer_unresponsive ? c : errc::peer_lost,
-                          "rank " + std::to_string(m_.ranks[i]) + ": " + describe(e));
-      }
+      if (auto e = status_(m_.ranks[i]))
+        return member_error(m_.ranks[i], e);
     }
   }
   if (mono_ns() > deadline_ns_)

@@ -7,7 +7,7 @@ using namespace std::chrono_literals; // before node_harness.hpp, whose defaults
 
 #include "node_harness.hpp"
 
-#include "kernels/device.hpp"
+#include "kernels/gpu_test.hpp"
 
 #include <csignal>
 #include <random>
@@ -19,23 +19,7 @@ using namespace cmesh::testing;
 
 namespace {
 
-std::string no_device() {
-  static const std::string why = [] {
-    auto r = kernels::query_accelerators();
-    if (!r.devices.empty())
-      return std::string();
-    return r.note.empty() ? std::string("no device") : r.note;
-  }();
-  return why;
-}
-
-#define SKIP_WITHOUT_DEVICE()                                        \
-  do {                                                               \
-    if (auto why = no_device(); !why.empty()) {                      \
-      MESSAGE("skipped: no CUDA device: " << why);                   \
-      return;                                                        \
-    }                                                                \
-  } while (false)
+#define SKIP_WITHOUT_DEVICE() CMESH_SKIP_WITHOUT_DEVICE()
 
 /// NCCL between processes of one machine, over loopback sockets only (no
 /// InfiniBand, no NVLink SHARP, no multi-node NVLink): each process claims
@@ -52,27 +36,6 @@ std::vector<std::pair<std::string, std::string>> nccl_env() {
   return env;
 }
 
-struct error_report {
-  std::string code;
-  int64_t mono_ns = 0;
-  std::string text;
-};
-
-error_report parse_error(const wire::report& r) {
-  error_report e;
-  std::istringstream in(r.value);
-  in >> e.code >> e.mono_ns;
-  std::getline(in, e.text);
-  return e;
-}
-
-uint64_t seed() {
-  uint64_t s = std::random_device{}();
-  if (const char* v = std::getenv("CMESH_SEED"))
-    s = std::strtoull(v, nullptr, 10);
-  return s;
-}
-
 void no_fatal(node_harness& h) {
   for (auto& f : h.reports("fatal"))
     FAIL("rank " << f.rank << ": " << f.value);
@@ -82,7 +45,7 @@ void no_fatal(node_harness& h) {
 
 TEST_CASE("nccl mp: every operation and dtype matches the host backend (2, 3, 4 ranks, one GPU)") {
   SKIP_WITHOUT_DEVICE();
-  auto s = seed();
+  auto s = test_seed();
   MESSAGE("seed " << s << " (set CMESH_SEED to replay)");
   for (uint32_t n : {2u, 3u, 4u}) {
     CAPTURE(n);

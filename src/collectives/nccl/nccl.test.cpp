@@ -5,7 +5,7 @@
 #include "collectives/nccl/nccl_communicator.hpp"
 
 #include "core/env.hpp"
-#include "kernels/device.hpp"
+#include "kernels/gpu_test.hpp"
 
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
@@ -19,24 +19,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-/// Empty when a device is there; otherwise why not.
-std::string no_device() {
-  static const std::string why = [] {
-    auto r = kernels::query_accelerators();
-    if (!r.devices.empty())
-      return std::string();
-    return r.note.empty() ? std::string("no device") : r.note;
-  }();
-  return why;
-}
-
-#define SKIP_WITHOUT_DEVICE()                                        \
-  do {                                                               \
-    if (auto why = no_device(); !why.empty()) {                      \
-      MESSAGE("skipped: no CUDA device: " << why);                   \
-      return;                                                        \
-    }                                                                \
-  } while (false)
+#define SKIP_WITHOUT_DEVICE() CMESH_SKIP_WITHOUT_DEVICE()
 
 /// Device memory of `bytes` (at least 1), freed with the object.
 struct dev_buf {

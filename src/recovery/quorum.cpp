@@ -1,0 +1,233 @@
+#include "recovery/quorum.hpp"
+
+#include "core/check.hpp"
+#include "recovery/health.hpp"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace cmesh::recovery {
+
+std::string_view to_string(decision_kind k) {
+  switch (k) {
+    case decision_kind::keep:
+      return "keep";
+    case decision_kind::new_epoch:
+      return "new_epoch";
+    case decision_kind::wait:
+      return "wait";
+    case decision_kind::fail:
+      return "fail";
+  }
+  return "unknown";
+}
+
+caf::error validate(const quorum_options& o) {
+  if (o.min_replicas < 1)
+    return make_error(errc::invalid_argument, "min_replicas must be >= 1");
+  if (o.join_window_ms < 0)
+    return make_error(errc::invalid_argument,
+                      "join_window_ms must be >= 0, got " + std::to_string(o.join_window_ms));
+  if (o.heartbeat_timeout_ms <= 0)
+    return make_error(errc::invalid_argument,
+                      "heartbeat_timeout_ms must be > 0, got " + std::to_string(o.heartbeat_timeout_ms));
+  return {};
+}
+
+bool reason_changed(const quorum_decision& prev, const quorum_decision& next) {
+  return prev.kind != next.kind || prev.reason != next.reason;
+}
+
+namespace {
+
+struct lost_member {
+  member who;
+  std::string cause;
+};
+
+std::string describe(const std::vector<lost_member>& lost) {
+  std::string out;
+  for (const auto& l : lost) {
+    if (!out.empty())
+      out += ", ";
+    out += to_string(l.who) + " (" + l.cause + ")";
+  }
+  return out;
+}
+
+std::string t(int64_t ms) {
+  return "t=" + std::to_string(ms) + " ms";
+}
+
+std::string groups(size_t n) {
+  return std::to_string(n) + (n == 1 ? " group" : " groups");
+}
+
+} // namespace
+
+quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const quorum_options& o) {
+  CMESH_CHECK(!validate(o));
+  const auto& cur = state.current;
+  for (size_t i = 1; i < cur.members.size(); ++i)
+    CMESH_CHECK_LT(cur.members[i - 1].group, cur.members[i].group);
+
+  // The newest incarnation the coordinator hears from, per group.
+  std::map<group_id, const participant*> newest;
+  for (const auto& p : state.participants) {
+    auto [it, fresh] = newest.emplace(p.who.group, &p);
+    if (fresh)
+      continue;
+    const participant* q = it->second;
+    // Same incarnation twice: the later heartbeat wins (then the earlier
+    // join), so the input order never matters.
+    if (p.who.incarnation > q->who.incarnation ||
+        (p.who.incarnation == q->who.incarnation &&
+         (p.last_heartbeat_ms > q->last_heartbeat_ms ||
+          (p.last_heartbeat_ms == q->last_heartbeat_ms && p.joined_ms < q->joined_ms))))
+      it->second = &p;
+  }
+  auto live = [&](const participant& p) {
+    return !heartbeat_expired(p.last_heartbeat_ms, now_ms, o.heartbeat_timeout_ms);
+  };
+
+  std::vector<member> survivors;
+  std::vector<lost_member> lost;
+  std::vector<const participant*> joiners; // sorted by group (map order)
+  std::set<group_id> member_groups;
+  for (const auto& m : cur.members) {
+    member_groups.insert(m.group);
+    auto it = newest.find(m.group);
+    const participant* p = it == newest.end() ? nullptr : it->second;
+    if (p == nullptr || p->who.incarnation < m.incarnation) {
+      lost.push_back({m, "not reported"});
+    } else if (p->who.incarnation > m.incarnation) {
+      lost.push_back({m, "superseded by " + to_string(p->who)});
+    } else if (!live(*p)) {
+      lost.push_back({m, "silent since " + t(p->last_heartbeat_ms)});
+    } else {
+      survivors.push_back(m);
+    }
+  }
+  for (const auto& [g, p] : newest) {
+    if (!live(*p))
+      continue;
+    auto m = std::lower_bound(cur.members.begin(), cur.members.end(), g,
+                              [](const member& x, group_id y) { return x.group < y; });
+    const bool is_member_group = m != cur.members.end() && m->group == g;
+    if (!is_member_group || p->who.incarnation > m->incarnation)
+      joiners.push_back(p);
+  }
+
+  std::vector<member> joiner_ids;
+  for (const auto* p : joiners)
+    joiner_ids.push_back(p->who);
+  std::vector<member> lost_ids;
+  for (const auto& l : lost)
+    lost_ids.push_back(l.who);
+
+  quorum_decision d;
+  d.epoch = cur;
+  auto finish = [&](decision_kind kind, std::string reason) {
+    d.kind = kind;
+    d.reason = std::move(reason);
+    if (kind == decision_kind::wait || kind == decision_kind::fail)
+      d.left = lost_ids;
+    return d;
+  };
+  auto form = [&](std::vector<member> members, std::string why) {
+    std::sort(members.begin(), members.end());
+    d.epoch = {cur.id + 1, std::move(members)};
+    d.changed = true;
+    for (const auto& m : d.epoch.members)
+      if (!std::binary_search(cur.members.begin(), cur.members.end(), m))
+        d.joined.push_back(m);
+    for (const auto& m : cur.members)
+      if (!std::binary_search(d.epoch.members.begin(), d.epoch.members.end(), m))
+        d.left.push_back(m);
+    std::string reason = "epoch " + std::to_string(d.epoch.id) + " " + to_string(d.epoch.members);
+    if (cur.id > 0)
+      reason += " replaces epoch " + std::to_string(cur.id);
+    if (!lost.empty())
+      reason += "; lost " + describe(lost);
+    if (!d.joined.empty())
+      reason += "; joined " + to_string(d.joined);
+    if (!why.empty())
+      reason += "; " + why;
+    return finish(decision_kind::new_epoch, std::move(reason));
+  };
+  const std::string lost_text = lost.empty() ? "" : "; lost " + describe(lost);
+
+  // 1. The fast path.
+  if (lost.empty() && joiners.empty()) {
+    if (cur.members.empty())
+      return finish(decision_kind::wait, "no epoch yet and no live replica group registered");
+    return finish(decision_kind::keep, "epoch " + std::to_string(cur.id) + ": all " +
+                                           groups(cur.members.size()) + " live, nobody joining");
+  }
+
+  std::vector<member> all = survivors;
+  all.insert(all.end(), joiner_ids.begin(), joiner_ids.end());
+  std::sort(all.begin(), all.end());
+  std::set<group_id> known_groups = member_groups;
+  for (const auto& j : joiner_ids)
+    known_groups.insert(j.group);
+  size_t known = known_groups.size();
+  if (cur.members.empty())
+    known = std::max<size_t>(known, state.expected_groups);
+
+  // 2. Everybody dead.
+  if (all.empty())
+    return finish(decision_kind::fail, "every replica group of epoch " + std::to_string(cur.id) +
+                                           " is dead: " + describe(lost) +
+                                           "; restart from checkpoint needed");
+
+  // 3. Too few groups.
+  if (all.size() < o.min_replicas) {
+    const std::string have = std::to_string(all.size()) + " live " +
+                             (all.size() == 1 ? "group " : "groups ") + to_string(all) +
+                             ", min_replicas " + std::to_string(o.min_replicas);
+    if (joiners.empty())
+      return finish(decision_kind::fail, "only " + have + " and none joining" + lost_text +
+                                             "; restart from checkpoint needed");
+    return finish(decision_kind::wait, have + ", joining " + to_string(joiner_ids) +
+                                           lost_text + "; waiting for more groups");
+  }
+
+  // 4. No majority.
+  if (2 * all.size() <= known)
+    return finish(decision_kind::wait,
+                  "no majority: " + std::to_string(all.size()) + " of " + groups(known) +
+                      " live " + to_string(all) + lost_text +
+                      "; waiting (a minority must not go on alone)");
+
+  // 5. The join window.
+  if (!joiners.empty()) {
+    int64_t first_join = joiners.front()->joined_ms;
+    for (const auto* p : joiners)
+      first_join = std::min(first_join, p->joined_ms);
+    const int64_t closes = first_join + o.join_window_ms;
+    const bool everyone = state.expected_groups > 0 && all.size() >= state.expected_groups;
+    if (now_ms < closes && !everyone) {
+      d.pending = joiner_ids;
+      d.retry_at_ms = closes;
+      const std::string window = "joining " + to_string(joiner_ids) +
+                                 " wait for the join window until " + t(closes);
+      if (lost.empty()) {
+        if (cur.members.empty())
+          return finish(decision_kind::wait, "no epoch yet: " + window);
+        return finish(decision_kind::keep, "epoch " + std::to_string(cur.id) + " kept: " + window);
+      }
+      if (survivors.size() >= o.min_replicas && 2 * survivors.size() > cur.members.size())
+        return form(survivors, window);
+      return finish(decision_kind::wait, std::to_string(survivors.size()) + " of " +
+                                             groups(cur.members.size()) + " survive" + lost_text +
+                                             "; " + window);
+    }
+  }
+
+  // 6. A new epoch of every live group.
+  return form(all, "");
+}
+
+} // namespace cmesh::recovery
