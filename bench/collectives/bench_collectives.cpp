@@ -6,7 +6,8 @@
 //                                              prints the comparison tables
 //   cmesh_bench_collectives node bw CHUNKS SMALL_MAX SPIN PHASES
 //                                              one rank of the 2-process bandwidth job
-//   cmesh_bench_collectives node rebuild       one rank of the 4-process rebuild job
+//   cmesh_bench_collectives node rebuild [stale]
+//                                              one rank of the 4-process rebuild job
 //   (a node gets CMESH_COORDINATOR / CMESH_RANK / CMESH_WORLD_SIZE from the driver)
 //
 // Driver options:
@@ -27,7 +28,19 @@
 //                      halves on their own, against a local memcpy of one half
 //   --reps N           rebuild repetitions (default 3; each is a fresh set of 4 processes)
 //   --no-rebuild       skip the rebuild measurement
-//   --verbose          the workers' log lines at info level (default: warnings and up)
+//   --stale-check      also run a check (not a measurement) of what a failed operation
+//                      leaves in the long-lived UCP worker: after the rebuild the survivors
+//                      build epochs 3..257 (the tags keep the epoch's low 8 bits, so 257
+//                      reuses epoch 1's) and verify op 1 of epoch 257. A few seconds.
+//   --verbose          the workers' log lines at info level (default: errors only; UCX's
+//                      own warnings always show)
+//
+// Diagnostics (environment of the driver, inherited by the nodes):
+// CMESH_BENCH_ANCHORS (the anchors' script), CMESH_BENCH_TRACE_EXIT=1 (each node prints
+// wall-clock marks, in UCX's log format, around the release of its collectives worker
+// and of its transport: with UCX_LOG_FILE=stderr this tells whose leftovers UCX warns
+// about), CMESH_BENCH_STALE_EPOCH (the last epoch of --stale-check; 258 is the control).
+// A node that takes SIGSEGV or SIGBUS prints a backtrace (addr2line -e ... +OFFSET).
 //
 // all_reduce: float32 sum, in place, 2 processes, 16 KiB .. 64 MiB by 4x, with the
 // iteration scheme of mpi_allreduce.c: 100 timed iterations up to 4 MiB, 10 above,
@@ -53,6 +66,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <execinfo.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -231,6 +245,10 @@ std::string time_phases(node& nd, communicator& comm, std::vector<float>& buf) {
 /// take recursive doubling whatever the chunk: only chunks[0] measures them.
 int node_bw(node& nd, const std::vector<size_t>& chunks, size_t small_max, int64_t spin,
             bool phases) {
+  if (chunks.empty()) {
+    nd.report("done", "no chunk sizes");
+    return 2;
+  }
   const auto sizes = counts();
   std::vector<float> buf(sizes.back());
   std::string failure;
@@ -293,7 +311,7 @@ int node_bw(node& nd, const std::vector<size_t>& chunks, size_t small_max, int64
 }
 
 /// The 4-process rebuild job; the last rank is the victim.
-int node_rebuild(node& nd) {
+int node_rebuild(node& nd, bool stale) {
   const uint32_t victim = nd.size - 1;
   auto fatal = [&](const std::string& what) {
     nd.report("rebuilt", "FAIL " + what);
@@ -343,13 +361,69 @@ int node_rebuild(node& nd) {
   right = right && !e3 && first_wrong(small, small.size(), m.size()) == small.size();
   nd.report("rebuilt", fmt::format("{} {} {} {} {} {}", right ? "ok" : "FAIL", t_err, t0, t1, t2, t3)
                          + (right ? "" : " " + describe(e2 ? e2 : e3)));
+  if (stale) {
+    // --stale-check: the tags keep the epoch's low 8 bits, so epoch 257 uses
+    // epoch 1's tags. Its op 1, a 1 MiB all_reduce of other values, meets
+    // whatever epoch 1's failed op 1 left in this worker.
+    std::string verdict;
+    // CMESH_BENCH_STALE_EPOCH: the last epoch (default 257; 258 is the control,
+    // its tags those of epoch 2, which failed nothing)
+    uint64_t last = 257;
+    if (auto v = env_string("CMESH_BENCH_STALE_EPOCH"))
+      last = std::max<uint64_t>(3, std::strtoull(v->c_str(), nullptr, 10));
+    for (uint64_t ep = 3; ep < last && verdict.empty(); ++ep) {
+      m.epoch = ep;
+      if (auto c = nd.make(m); !c)
+        verdict = fmt::format("FAIL epoch {}: {}", ep, describe(c.error()));
+    }
+    if (verdict.empty()) {
+      m.epoch = last;
+      auto c = nd.make(m);
+      std::vector<float> v(cnt);
+      for (size_t i = 0; i < cnt; ++i)
+        v[i] = static_cast<float>(i % 5 + 1);
+      caf::error e = c ? (*c)->barrier() : c.error(); // op 0
+      if (!e)
+        e = (*c)->all_reduce(v.data(), cnt, dtype::float32, reduce_op::sum, {10s}); // op 1
+      if (e) {
+        verdict = "error " + describe(e);
+      } else {
+        size_t wrong = 0, first = cnt;
+        for (size_t i = 0; i < cnt; ++i)
+          if (v[i] != static_cast<float>(m.size() * (i % 5 + 1))) {
+            ++wrong;
+            first = std::min(first, i);
+          }
+        verdict = wrong == 0 ? fmt::format("ok: epoch {}'s all_reduce is right", last)
+                             : fmt::format("WRONG: epoch {}: {} of {} elements differ, the first at"
+                                           " {}: {} where {} is due", last, wrong, cnt, first, v[first],
+                                           static_cast<float>(m.size() * (first % 5 + 1)));
+      }
+    }
+    nd.report("stale", verdict);
+  }
   (void)nd.j.coordinator.wait_shutdown(60s);
   return right ? 0 : 1;
 }
 
+void on_fatal_signal(int sig) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  char head[96];
+  int len = std::snprintf(head, sizeof(head), "cmesh_bench_collectives node pid %d: signal %d\n",
+                          getpid(), sig);
+  (void)!write(2, head, static_cast<size_t>(len));
+  backtrace_symbols_fd(frames, n, 2);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
 int node_main(const std::vector<std::string>& args) {
+  ::signal(SIGSEGV, on_fatal_signal);
+  ::signal(SIGBUS, on_fatal_signal);
+  // The survivors' "lost rank" warnings are expected here; errors still show.
   if (!env_string("CMESH_BENCH_VERBOSE"))
-    spdlog::set_level(spdlog::level::warn);
+    spdlog::set_level(spdlog::level::err);
   auto j = join_mesh({});
   if (!j) {
     std::fprintf(stderr, "cmesh_bench_collectives node: %s\n", describe(j.error()).c_str());
@@ -374,7 +448,7 @@ int node_main(const std::vector<std::string>& args) {
                  args[4] == "1");
     (void)nd.j.coordinator.wait_shutdown(60s);
   } else if (args[0] == "rebuild") {
-    rc = node_rebuild(nd);
+    rc = node_rebuild(nd, args.size() > 1 && args[1] == "stale");
   } else {
     std::fprintf(stderr, "cmesh_bench_collectives node: bad arguments\n");
   }
@@ -582,6 +656,27 @@ rebuild_rep run_rebuild(bool verbose) {
   return out;
 }
 
+/// --stale-check: a rebuild job whose survivors then go through epochs 3..257
+/// and check epoch 257's all_reduce; one line per survivor.
+std::vector<std::string> run_stale_check(bool verbose) {
+  const uint32_t n = 4, victim = 3;
+  std::vector<std::string> out;
+  job jb(n, {"rebuild", "stale"}, verbose);
+  for (uint32_t r = 0; r < n && jb.error.empty(); ++r)
+    jb.await(r, "ready", 60s);
+  if (jb.error.empty()) {
+    std::this_thread::sleep_for(50ms);
+    jb.kids[victim].signal(SIGKILL);
+    jb.kids[victim].wait(5s);
+  }
+  for (uint32_t r = 0; r < n - 1 && jb.error.empty(); ++r)
+    if (auto v = jb.await(r, "stale", 120s, victim))
+      out.push_back(fmt::format("rank {}: {}", r, v->value));
+  if (!jb.error.empty())
+    out.push_back("ERROR " + jb.error);
+  return out;
+}
+
 struct anchors {
   std::string path;
   std::string error;
@@ -687,6 +782,7 @@ struct driver_opts {
   size_t small_max = host_options{}.small_bytes_max;
   int64_t spin = 0; // 0: host_options' default
   int rounds = 2;
+  bool stale_check = false;
   bool phases = false;
   int reps = 3;
 };
@@ -926,6 +1022,14 @@ int driver(const driver_opts& o) {
       std::printf("cmesh rebuild_ms p50 %.1f\n", p50);
     }
   }
+  if (o.stale_check) {
+    auto last = env_string("CMESH_BENCH_STALE_EPOCH").value_or("257");
+    std::printf("\nstale-message check (4 ranks, rank 3 SIGKILLed in epoch 1's op 1; the survivors"
+                " build epochs 2..%s, then run op 1 of epoch %s; 257's tags are epoch 1's):\n",
+                last.c_str(), last.c_str());
+    for (auto& l : run_stale_check(o.verbose))
+      std::printf("  %s\n", l.c_str());
+  }
   std::printf("\nbenchmark took %.1f s\n", secs(t_start));
   std::fflush(stdout);
   return failures == 0 ? 0 : 1;
@@ -937,8 +1041,8 @@ int usage() {
                "                               [--small-max BYTES] [--spin N] [--rounds N]"
                " [--phases]"
                " [--reps N]\n"
-               "                               [--no-rebuild] [--verbose]\n"
-               "       cmesh_bench_collectives node bw CHUNKS SMALL_MAX SPIN PHASES | node rebuild\n");
+               "                               [--no-rebuild] [--stale-check] [--verbose]\n"
+               "       cmesh_bench_collectives node bw CHUNKS SMALL_MAX SPIN PHASES | node rebuild [stale]\n");
   return 2;
 }
 
@@ -973,6 +1077,8 @@ int main(int argc, char** argv) {
         o.small_max = v == "0" ? 0 : parse_bytes(v);
       } else if (args[i] == "--spin") {
         o.spin = std::max<int64_t>(0, std::atoll(value().c_str()));
+      } else if (args[i] == "--stale-check") {
+        o.stale_check = true;
       } else if (args[i] == "--phases") {
         o.phases = true;
       } else if (args[i] == "--rounds") {

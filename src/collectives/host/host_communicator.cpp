@@ -43,13 +43,14 @@ std::string host_context::address() const {
 
 namespace {
 
-constexpr uint64_t slot_bits = 20;
-constexpr uint64_t src_bits = 16;
-constexpr uint64_t op_bits = 20;
+constexpr uint64_t slot_bits = 18;
+constexpr uint64_t src_bits = 14;
+constexpr uint64_t op_bits = 16;
+constexpr uint64_t epoch_bits = 16;
 
 uint64_t make_tag(uint64_t epoch, uint64_t op, uint64_t src, uint64_t slot) {
   CMESH_CHECK_LT(slot, uint64_t{1} << slot_bits);
-  return ((epoch & 0xff) << (slot_bits + src_bits + op_bits))
+  return ((epoch & ((uint64_t{1} << epoch_bits) - 1)) << (slot_bits + src_bits + op_bits))
          | ((op & ((uint64_t{1} << op_bits) - 1)) << (slot_bits + src_bits))
          | ((src & ((uint64_t{1} << src_bits) - 1)) << slot_bits) | slot;
 }
@@ -225,7 +226,8 @@ struct ep_arg {
 
 void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* a = static_cast<ep_arg*>(arg);
-  a->comm->note_ep_error(a->peer, status);
+  if (a->comm != nullptr) // null once its communicator closed
+    a->comm->note_ep_error(a->peer, status);
 }
 
 // Endpoint callback arguments live as long as the process might call them.
@@ -345,7 +347,9 @@ bool host_comm::test(req_id id) {
 }
 
 caf::error host_comm::progress() {
-  if (ucp_worker_progress(worker()) == 0 && ++idle_polls_ % opts_.spin_before_yield == 0)
+  if (ucp_worker_progress(worker()) != 0)
+    idle_polls_ = 0;
+  else if (++idle_polls_ >= static_cast<uint64_t>(opts_.spin_before_yield))
     sched_yield(); // an oversubscribed machine needs the core for the peer
   if ((++polls_ & 63) != 0 && !aborted_.load(std::memory_order_relaxed)
       && ep_failed_.load(std::memory_order_relaxed) < 0)

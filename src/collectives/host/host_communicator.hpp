@@ -39,7 +39,7 @@ using peer_status = std::function<caf::error(uint32_t rank)>;
 struct host_options {
   size_t chunk_bytes = 512 * 1024;
   size_t small_bytes_max = 64 * 1024; // recursive doubling up to here
-  int64_t spin_before_yield = 2000;   // idle polls before yielding the core
+  int64_t spin_before_yield = 200;    // consecutive idle polls before yielding the core
   std::chrono::milliseconds rendezvous_timeout{30000};
 };
 
