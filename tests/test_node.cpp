@@ -10,6 +10,8 @@
 #include "transport/join.hpp"
 #include "transport/mesh.hpp"
 
+#include "core/spawn.hpp"
+
 #include <caf/all.hpp>
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
@@ -48,7 +50,7 @@ struct context {
 
 int run_order(context& c, uint64_t count) {
   std::promise<std::string> done;
-  auto sink = c.sys->spawn([&done, count](caf::event_based_actor* self) -> caf::behavior {
+  auto sink = spawn_event_based(*c.sys, [&done, count](caf::event_based_actor* self) -> caf::behavior {
     auto next = std::make_shared<uint64_t>(0);
     return {[=, &done](const wire::sequenced& m) {
       if (m.seq != *next) {
@@ -85,7 +87,7 @@ int run_order(context& c, uint64_t count) {
 
 int run_payload(context& c, uint64_t bytes) {
   std::promise<std::string> done;
-  auto sink = c.sys->spawn([&done](caf::event_based_actor*) -> caf::behavior {
+  auto sink = spawn_event_based(*c.sys, [&done](caf::event_based_actor*) -> caf::behavior {
     return {[&done](const wire::blob& b) {
       auto sum = XXH64(b.payload.data(), b.payload.size(), 0);
       done.set_value(sum == b.checksum ? "ok " + std::to_string(b.payload.size())
@@ -119,7 +121,7 @@ int run_payload(context& c, uint64_t bytes) {
 
 int run_survive(context& c, std::set<uint32_t> victims) {
   if (victims.count(c.rank)) {
-    auto echo = c.sys->spawn([](caf::event_based_actor* self) -> caf::behavior {
+    auto echo = spawn_event_based(*c.sys, [](caf::event_based_actor* self) -> caf::behavior {
       return {[=](const wire::sequenced& m) { self->send(caf::actor_cast<caf::actor>(self->current_sender()), wire::ack{m.seq, 0}); }};
     });
     c.m->publish("echo", echo);
@@ -134,14 +136,14 @@ int run_survive(context& c, std::set<uint32_t> victims) {
   for (uint32_t r = 0; r < c.size; ++r)
     if (!victims.count(r) && r != c.rank)
       survivors.push_back(r);
-  auto echo = c.sys->spawn([](caf::event_based_actor* self) -> caf::behavior {
+  auto echo = spawn_event_based(*c.sys, [](caf::event_based_actor* self) -> caf::behavior {
     return {[=](const wire::sequenced& m) {
       self->send(caf::actor_cast<caf::actor>(self->current_sender()), wire::ack{m.seq, 0});
     }};
   });
   c.m->publish("echo", echo);
   c.start();
-  auto watcher = c.sys->spawn([&](caf::event_based_actor* self) {
+  auto watcher = spawn_event_based(*c.sys, [&](caf::event_based_actor* self) {
     auto pending = std::make_shared<size_t>(victims.size());
     auto acks = std::make_shared<size_t>(0);
     for (uint32_t r = 0; r < c.size; ++r) {
@@ -196,7 +198,7 @@ int main(int argc, char** argv) {
     return 3;
   }
   caf::actor_system_config cfg;
-  cfg.set("scheduler.max-threads", size_t{2});
+  tune_actor_system(cfg, 2);
   caf::actor_system sys{cfg};
   int rc = 0;
   {

@@ -2,6 +2,8 @@
 
 #include "transport/mesh.hpp"
 
+#include "core/spawn.hpp"
+
 #include <caf/all.hpp>
 #include <fmt/format.h>
 
@@ -66,7 +68,7 @@ caf::error run_ring(joined_mesh& j, uint32_t laps, std::chrono::milliseconds tim
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<uint32_t>(j.place.world_size);
   caf::actor_system_config cfg;
-  cfg.set("scheduler.max-threads", size_t{2});
+  tune_actor_system(cfg, 2);
   caf::actor_system sys{cfg};
   ring_result res;
   {
@@ -74,7 +76,7 @@ caf::error run_ring(joined_mesh& j, uint32_t laps, std::chrono::milliseconds tim
     auto done = std::make_shared<std::promise<ring_result>>();
     auto fut = done->get_future();
     // Published before the transport starts: no token can find it missing.
-    auto ring = sys.spawn([&m, rank, size, laps, done](caf::event_based_actor* self) {
+    auto ring = spawn_event_based(sys, [&m, rank, size, laps, done](caf::event_based_actor* self) {
       return ring_actor(self, &m, rank, size, laps, done);
     });
     m.publish("ring", ring);

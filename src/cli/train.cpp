@@ -4,6 +4,8 @@
 #include "collectives/host/host_communicator.hpp"
 #include "model/moe_lm.hpp"
 
+#include "core/spawn.hpp"
+
 #include <caf/all.hpp>
 #include <fmt/format.h>
 
@@ -93,12 +95,12 @@ caf::error run_training(joined_mesh& j, const train_flags& f, std::chrono::secon
   }
   // The trainer runs in its own (detached) actor; this thread waits for it.
   caf::actor_system_config sys_cfg;
-  sys_cfg.set("scheduler.max-threads", size_t{1});
+  tune_actor_system(sys_cfg, 1);
   caf::actor_system sys{sys_cfg};
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto* c = comm->get();
-  sys.spawn([done, opts, data = *data, c](caf::blocking_actor*) {
+  spawn_blocking(sys, [done, opts, data = *data, c](caf::blocking_actor*) {
     actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *c);
     done->set_value(t.run());
   });

@@ -13,7 +13,8 @@ class bulk {
 public:
   bulk() = default;
 
-  /// Page-aligned, uninitialised storage of `size` bytes.
+  /// Page-aligned, uninitialised storage of `size` bytes, recycled through a
+  /// bounded pool (512 MiB) so that large payloads land in mapped memory.
   static bulk allocate(size_t size);
 
   /// Wraps caller-owned storage kept alive by `owner`.

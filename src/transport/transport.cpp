@@ -32,6 +32,7 @@ constexpr uint64_t seq_mask = (uint64_t{1} << src_shift) - 1;
 constexpr uint64_t full_mask = ~uint64_t{0};
 constexpr int64_t heartbeats_inflight_max = 16;
 constexpr int probes_per_pass_max = 256;
+constexpr int progress_calls_per_pass_max = 16;
 
 uint64_t make_tag(uint64_t channel, uint32_t src, uint64_t seq) {
   return (channel << ch_shift) | (uint64_t{src} << src_shift) | (seq & seq_mask);
@@ -618,8 +619,13 @@ void transport::impl::run_data() {
   int64_t idle_since = mono_ns();
   while (running.load(std::memory_order_relaxed)) {
     bool activity = drain_commands();
-    while (ucp_worker_progress(data.worker()) != 0)
+    // Bounded: each call may copy one fragment of a large pull; frames and
+    // sends must not wait for a whole window of payloads.
+    for (int i = 0; i < progress_calls_per_pass_max; ++i) {
+      if (ucp_worker_progress(data.worker()) == 0)
+        break;
       activity = true;
+    }
     activity |= poll_frames();
     for (auto& p : peers)
       if (p && !p->inbox.empty())
@@ -633,8 +639,10 @@ void transport::impl::run_data() {
       idle_since = now;
       continue;
     }
-    if (now - idle_since < opts.spin_us * 1000)
+    if (now - idle_since < opts.spin_us * 1000) {
+      std::this_thread::yield(); // a busy peer may need this core
       continue;
+    }
     data.reap_closing();
     data.sleep(static_cast<int>(opts.heartbeat_interval_ms), [&] {
       return queued.load() > 0 || failures_pending.load() > 0 || !running.load();
