@@ -237,13 +237,12 @@ struct stream {
   }
 };
 
-/// Both ranks get the coordinator's shutdown at about the same time; rank 0
-/// lingers a moment so that rank 1 has called begin_shutdown() before rank
-/// 0's endpoints close (else rank 1 logs the expected departure as a loss).
-void leave(transport& net, uint32_t rank) {
+/// Both ranks get the coordinator's shutdown at about the same time; each
+/// lingers a moment so that the other has called begin_shutdown() before its
+/// endpoints close (else the other logs the expected departure as a loss).
+void leave(transport& net) {
   net.begin_shutdown();
-  if (rank == 0)
-    std::this_thread::sleep_for(100ms);
+  std::this_thread::sleep_for(100ms);
   net.stop();
 }
 
@@ -454,7 +453,7 @@ int cmesh_frames(joined_mesh& j, uint32_t rank,
     rc = o.error.empty() ? 0 : 1;
   }
   auto bye = j.coordinator.wait_shutdown(120s);
-  leave(*j.net, rank); // joins the data thread: no handler runs after this
+  leave(*j.net); // joins the data thread: no handler runs after this
   return bye ? rc : (rc ? rc : 1);
 }
 
@@ -542,7 +541,7 @@ int cmesh_node(const std::string& mode) {
       caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
     if (!bye)
       rc = rc ? rc : 1;
-    leave(*j->net, rank);
+    leave(*j->net);
   }
   sys.await_all_actors_done();
   return rc;
@@ -1085,7 +1084,9 @@ int driver() {
       text.insert(0, static_cast<size_t>(width) - text.size(), ' ');
     return text;
   };
-  auto group = [&](const std::string& title, size_t ncols) {
+  auto group = [&](const std::string& title, size_t ncols) -> std::string {
+    if (ncols == 0)
+      return {};
     auto width = static_cast<int>(ncols) * (w + 1);
     auto t = title.substr(0, static_cast<size_t>(width) - 1);
     return " " + t + std::string(static_cast<size_t>(width) - 1 - t.size(), ' ');
