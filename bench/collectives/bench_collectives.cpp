@@ -58,6 +58,7 @@
 // report is the p50 over repetitions. Destroying the epoch-1 communicator is
 // timed separately (after), as is the detection (kill -> error).
 #include "collectives/host/host_communicator.hpp"
+#include "common/anchor.hpp"
 #include "core/env.hpp"
 #include "core/process.hpp"
 #include "transport/bootstrap.hpp"
@@ -708,35 +709,22 @@ std::string find_anchors(const std::optional<std::string>& given) {
 anchors run_anchors(const std::string& path) {
   anchors a;
   a.path = path;
-  if (!std::filesystem::exists(path)) {
-    a.error = "anchors unavailable: " + path + " not found";
+  auto run = bench::run_anchor_script(path, 240);
+  a.lines = run.lines;
+  if (!run.error.empty()) {
+    a.error = run.error;
     return a;
   }
-  auto cmd = "timeout 240 bash '" + path + "' 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (pipe == nullptr) {
-    a.error = "anchors unavailable: cannot run " + path;
-    return a;
-  }
-  char buf[2048];
-  while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
-    std::string line(buf);
-    while (!line.empty() && (line.back() == '\n' || line.back() == '\r'))
-      line.pop_back();
-    a.lines.push_back(line);
+  for (const auto& line : a.lines) {
     std::istringstream in(line);
     std::string peer, key, value;
     size_t bytes = 0;
-    if (in >> peer >> bytes >> key >> value && key == "busbw") {
-      char* end = nullptr;
-      double v = std::strtod(value.c_str(), &end);
-      if (end != value.c_str() && *end == '\0')
-        a.values[{peer, bytes}] = v;
-    }
+    if (in >> peer >> bytes >> key >> value && key == "busbw")
+      if (auto v = bench::parse_number(value))
+        a.values[{peer, bytes}] = *v;
   }
-  int st = ::pclose(pipe);
-  if (st != 0)
-    a.error = "anchors script failed (" + describe_wait_status(st)
+  if (run.status != 0)
+    a.error = "anchors script failed (" + describe_wait_status(run.status)
               + "; needs: apt-get install -y libopenmpi-dev openmpi-bin libgloo-dev)";
   else if (a.values.empty())
     a.error = "anchors gave no figures";

@@ -35,6 +35,7 @@
 // latency warm-up after a third of it),
 // CMESH_BENCH_UCX_ANCHOR (path of ucx.sh), CMESH_BENCH_SKIP_UCX=1,
 // CMESH_BENCH_SKIP_CAF=1, CMESH_BENCH_VERBOSE=1 (every figure measured).
+#include "common/anchor.hpp"
 #include "core/env.hpp"
 #include "core/process.hpp"
 #include "transport/bootstrap.hpp"
@@ -903,35 +904,21 @@ std::string anchor_path() {
 
 ucx_anchor run_ucx() {
   ucx_anchor a;
-  auto path = anchor_path();
-  if (!std::filesystem::exists(path)) {
-    a.error = "anchor unavailable: " + path + " not found";
+  auto run = bench::run_anchor_script(anchor_path(), 150);
+  a.lines = run.lines;
+  if (!run.error.empty()) {
+    a.error = run.error;
     return a;
   }
-  auto cmd = "timeout 150 bash '" + path + "' 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (pipe == nullptr) {
-    a.error = "anchor unavailable: cannot run " + path;
-    return a;
-  }
-  char buf[1024];
-  while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
-    std::string line(buf);
-    while (!line.empty() && (line.back() == '\n' || line.back() == '\r'))
-      line.pop_back();
-    a.lines.push_back(line);
+  for (const auto& line : a.lines) {
     std::istringstream in(line);
     std::string tool, mode, key, value;
-    if (in >> tool >> mode >> key >> value && tool == "ucx") {
-      char* end = nullptr;
-      double v = std::strtod(value.c_str(), &end);
-      if (end != value.c_str() && *end == '\0')
-        a.values[mode + " " + key] = v;
-    }
+    if (in >> tool >> mode >> key >> value && tool == "ucx")
+      if (auto v = bench::parse_number(value))
+        a.values[mode + " " + key] = *v;
   }
-  int st = ::pclose(pipe);
   if (a.values.empty())
-    a.error = "anchor gave no figures (" + describe_wait_status(st)
+    a.error = "anchor gave no figures (" + describe_wait_status(run.status)
               + "; is ucx-utils installed? apt-get install -y ucx-utils)";
   return a;
 }
