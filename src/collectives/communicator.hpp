@@ -14,9 +14,11 @@
 #include "collectives/dtype.hpp"
 #include "core/error.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -36,6 +38,26 @@ struct membership {
 
 struct op_options {
   std::chrono::milliseconds timeout{30000};
+};
+
+/// A communicator's abort request and poisoning error, for backends to
+/// share; thread-safe.
+class failure_latch {
+public:
+  /// Records an abort request; the first reason wins (errc::aborted if none).
+  void request_abort(caf::error reason);
+  bool abort_requested() const { return aborted_.load(std::memory_order_relaxed); }
+  /// The abort's reason (errc::aborted when none was given).
+  caf::error abort_reason() const;
+  /// Records the error that poisons the communicator; the first one wins.
+  void poison(caf::error e);
+  caf::error poisoned() const;
+
+private:
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex mtx_;
+  caf::error abort_reason_;
+  caf::error poison_;
 };
 
 class communicator {

@@ -132,19 +132,9 @@ public:
                          const op_options& o) override;
   caf::error barrier(const op_options& o) override;
 
-  void abort(caf::error reason) override {
-    {
-      std::lock_guard<std::mutex> g(mtx_);
-      if (!abort_reason_)
-        abort_reason_ = reason ? std::move(reason) : make_error(errc::aborted, "aborted");
-    }
-    aborted_ = true;
-  }
+  void abort(caf::error reason) override { latch_.request_abort(std::move(reason)); }
 
-  caf::error poisoned() const override {
-    std::lock_guard<std::mutex> g(mtx_);
-    return poison_;
-  }
+  caf::error poisoned() const override { return latch_.poisoned(); }
 
   void note_ep_error(size_t peer, ucs_status_t st) {
     int expected = -1;
@@ -211,12 +201,9 @@ private:
   std::vector<uint8_t> staging_;
   std::unique_lock<std::mutex> busy_;
 
-  std::atomic<bool> aborted_{false};
+  failure_latch latch_;
   std::atomic<int> ep_failed_{-1};
   ucs_status_t ep_status_ = UCS_OK;
-  mutable std::mutex mtx_;
-  caf::error abort_reason_;
-  caf::error poison_;
 };
 
 struct ep_arg {
@@ -351,17 +338,15 @@ caf::error host_comm::progress() {
     idle_polls_ = 0;
   else if (++idle_polls_ >= static_cast<uint64_t>(opts_.spin_before_yield))
     sched_yield(); // an oversubscribed machine needs the core for the peer
-  if ((++polls_ & 63) != 0 && !aborted_.load(std::memory_order_relaxed)
+  if ((++polls_ & 63) != 0 && !latch_.abort_requested()
       && ep_failed_.load(std::memory_order_relaxed) < 0)
     return {};
   return check_failures();
 }
 
 caf::error host_comm::check_failures() {
-  if (aborted_) {
-    std::lock_guard<std::mutex> g(mtx_);
-    return abort_reason_;
-  }
+  if (latch_.abort_requested())
+    return latch_.abort_reason();
   if (int i = ep_failed_.load(); i >= 0) {
     // Prefer the failure detector's reason (it knows a death from a hang).
     if (status_)
@@ -413,9 +398,7 @@ caf::error host_comm::fail(caf::error e) {
     }
   }
   reqs_.clear();
-  std::lock_guard<std::mutex> g(mtx_);
-  if (!poison_)
-    poison_ = e;
+  latch_.poison(e);
   return e;
 }
 
@@ -431,10 +414,10 @@ caf::error host_comm::begin(const char* name, const op_options& o) {
   if (auto p = poisoned())
     return make_error(errc::poisoned, std::string(name) + " on a poisoned communicator ("
                                         + describe(p) + "); rebuild it for a new epoch");
-  if (aborted_) {
-    std::lock_guard<std::mutex> g(mtx_);
-    poison_ = abort_reason_;
-    return abort_reason_;
+  if (latch_.abort_requested()) {
+    auto reason = latch_.abort_reason();
+    latch_.poison(reason);
+    return reason;
   }
   busy_ = std::unique_lock<std::mutex>(ctx_->internals().busy);
   op_name_ = name;

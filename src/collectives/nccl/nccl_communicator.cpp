@@ -384,28 +384,14 @@ public:
     });
   }
 
-  void abort(caf::error reason) override {
-    {
-      std::lock_guard<std::mutex> g(mtx_);
-      if (!abort_reason_)
-        abort_reason_ = reason ? std::move(reason) : make_error(errc::aborted, "aborted");
-    }
-    aborted_ = true;
-  }
+  void abort(caf::error reason) override { latch_.request_abort(std::move(reason)); }
 
-  caf::error poisoned() const override {
-    std::lock_guard<std::mutex> g(mtx_);
-    return poison_;
-  }
+  caf::error poisoned() const override { return latch_.poisoned(); }
 
   // -- for shrink(), abort_all() and nccl_info_of() ------------------------------------------
 
   /// Marks the communicator poisoned with `e` unless it already is.
-  void poison(caf::error e) {
-    std::lock_guard<std::mutex> g(mtx_);
-    if (!poison_)
-      poison_ = std::move(e);
-  }
+  void poison(caf::error e) { latch_.poison(std::move(e)); }
 
   /// Revokes (once) so that the NCCL communicator is quiescent. True when it
   /// exists afterwards and reports no error: ncclCommShrink can use it.
@@ -508,10 +494,7 @@ public:
   }
 
 private:
-  caf::error abort_reason() const {
-    std::lock_guard<std::mutex> g(mtx_);
-    return abort_reason_ ? abort_reason_ : make_error(errc::aborted, "aborted");
-  }
+  caf::error abort_reason() const { return latch_.abort_reason(); }
 
   /// ncclGroupStart, the body's calls, ncclGroupEnd (always, so that this
   /// thread's group depth is restored even when a call in it failed).
@@ -534,7 +517,7 @@ private:
       return make_error(errc::poisoned, fmt::format("{} on a poisoned NCCL communicator ({}); "
                                                     "rebuild it for a new epoch",
                                                     name, describe(p)));
-    if (aborted_.load())
+    if (latch_.abort_requested())
       return fail(abort_reason());
     if (nothing_to_do)
       return {};
@@ -593,7 +576,7 @@ private:
         if (q != cudaErrorNotReady)
           return fail(cuda_error(q, std::string(name) + ": cudaStreamQuery"));
       }
-      if (aborted_.load(std::memory_order_relaxed))
+      if (latch_.abort_requested())
         return fail(abort_reason());
       const int64_t now = mono_ns();
       if (now >= next_status) {
@@ -710,10 +693,7 @@ private:
   nccl_info::origin origin_ = nccl_info::origin::init;
   int64_t setup_ns_ = 0;
 
-  std::atomic<bool> aborted_{false};
-  mutable std::mutex mtx_; // abort_reason_, poison_
-  caf::error abort_reason_;
-  caf::error poison_;
+  failure_latch latch_;
 
   // Every NCCL call on comm_ happens under handle_mtx_, so that abort_all()
   // (another thread) never frees it under a running call.
