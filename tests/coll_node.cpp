@@ -8,6 +8,7 @@
 //   cmesh_test_coll abort                    abort from another thread
 //   cmesh_test_coll exact                    exact mode over 4x1, 2x2, 1x4
 #include "collectives/exact.hpp"
+#include "core/hash.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "core/env.hpp"
 #include "transport/join.hpp"
@@ -57,17 +58,10 @@ struct node {
   }
 };
 
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Inputs whose sums over a few ranks are exact in every dtype, so results
 // can be compared bit for bit with a serial reference whatever the order.
 int64_t value_int(uint64_t seed, size_t member, size_t i) {
-  return static_cast<int64_t>(mix(seed ^ (uint64_t{member} << 48) ^ i) % 33) - 16;
+  return static_cast<int64_t>(splitmix64(seed ^ (uint64_t{member} << 48) ^ i) % 33) - 16;
 }
 
 void fill(void* buf, size_t count, dtype t, uint64_t seed, size_t member) {
@@ -116,7 +110,7 @@ std::vector<size_t> uneven_counts(size_t total, size_t n, uint64_t seed) {
   std::vector<size_t> c(n, 0);
   size_t left = total;
   for (size_t i = 0; i + 1 < n; ++i) {
-    c[i] = left == 0 ? 0 : mix(seed + i) % (left + 1);
+    c[i] = left == 0 ? 0 : splitmix64(seed + i) % (left + 1);
     left -= c[i];
   }
   c[n - 1] = left;
@@ -192,7 +186,7 @@ void check_ops(node& nd, communicator& comm, checker& ck, uint64_t seed, size_t 
       // all_to_allv: member i sends count_ij elements to j
       if (count <= (size_t{1} << 20) + 7) {
         uint64_t s = seed ^ (count * 191);
-        auto amount = [&](size_t from, size_t to) { return mix(s + from * 64 + to) % (count + 1); };
+        auto amount = [&](size_t from, size_t to) { return splitmix64(s + from * 64 + to) % (count + 1); };
         std::vector<size_t> sc(n), rc(n);
         for (size_t j = 0; j < n; ++j) {
           sc[j] = amount(me, j);
@@ -314,8 +308,8 @@ int run_exact(node& nd) {
   std::vector<std::vector<float>> grads(4, std::vector<float>(count));
   for (size_t k = 0; k < 4; ++k)
     for (size_t i = 0; i < count; ++i) {
-      double u = static_cast<double>(mix(k * 1000003 + i) % 2000001) / 1e6 - 1.0;
-      grads[k][i] = static_cast<float>(u * std::pow(10.0, static_cast<int>(mix(i + 7 * k) % 9) - 4));
+      double u = static_cast<double>(splitmix64(k * 1000003 + i) % 2000001) / 1e6 - 1.0;
+      grads[k][i] = static_cast<float>(u * std::pow(10.0, static_cast<int>(splitmix64(i + 7 * k) % 9) - 4));
     }
   struct layout {
     uint64_t epoch;

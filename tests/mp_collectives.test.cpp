@@ -89,14 +89,11 @@ TEST_CASE("abort from another thread returns promptly") {
   h.spawn_all("cmesh_test_coll", {"abort"});
   auto rep = h.report(0, "abort", 60s);
   REQUIRE(rep);
-  std::istringstream in(rep->value);
-  std::string code, after;
-  double ms = 0;
-  in >> code >> ms >> after;
-  MESSAGE("abort returned after " << ms << " ms");
-  CHECK(code == "aborted");
-  CHECK(ms < 500);
-  CHECK(after == "poisoned");
+  auto a = parse_abort(*rep);
+  MESSAGE("abort returned after " << a.ms << " ms");
+  CHECK(a.code == "aborted");
+  CHECK(a.ms < 500);
+  CHECK(a.after == "poisoned");
 }
 
 TEST_CASE("exact mode: 4x1, 2x2 and 1x4 give bit-identical sums; overflow is a typed error") {

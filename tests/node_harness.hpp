@@ -111,6 +111,20 @@ inline error_report parse_error(const wire::report& r) {
   return e;
 }
 
+/// A worker's abort report: "<errc of the aborted op> <ms to return> <errc after>".
+struct abort_report {
+  std::string code;
+  double ms = 0;
+  std::string after;
+};
+
+inline abort_report parse_abort(const wire::report& r) {
+  abort_report a;
+  std::istringstream in(r.value);
+  in >> a.code >> a.ms >> a.after;
+  return a;
+}
+
 /// A random seed, or CMESH_SEED to replay one; callers print it.
 inline uint64_t test_seed() {
   uint64_t s = std::random_device{}();

@@ -1,4 +1,5 @@
 #include "model/data.hpp"
+#include "core/hash.hpp"
 
 #include <fstream>
 #include <iterator>
@@ -7,13 +8,6 @@
 namespace cmesh::model {
 
 namespace {
-
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 /// [begin, end) of part `i` when `n` items are dealt to `parts` in runs.
 std::pair<size_t, size_t> run_of(size_t n, size_t parts, size_t i) {
@@ -75,7 +69,7 @@ batch make_micro_batch(const corpus& c, const train_config& t, uint64_t step, si
   const size_t span = c.size() - (t.seq_len + 1) + 1;
   for (size_t i = 0; i < b.sequences; ++i) {
     uint64_t sample = micro * t.micro_batch + i;
-    uint64_t start = mix(mix(t.seed ^ (step * 0x100000001b3ull)) ^ sample) % span;
+    uint64_t start = splitmix64(splitmix64(t.seed ^ (step * 0x100000001b3ull)) ^ sample) % span;
     std::copy_n(c.data() + start, t.seq_len + 1, b.tokens.data() + i * (t.seq_len + 1));
   }
   return b;

@@ -1,4 +1,5 @@
 #include "model/moe_lm.hpp"
+#include "core/hash.hpp"
 
 #include "core/check.hpp"
 #include "kernels/activation.hpp"
@@ -98,13 +99,6 @@ layout make_layout(const moe_config& c) {
 
 // ---------------------------------------------------------------------------
 // Initialisation.
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 0xcbf29ce484222325ull;

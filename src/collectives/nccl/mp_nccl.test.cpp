@@ -110,14 +110,11 @@ TEST_CASE("nccl mp: abort from another thread stops an all_reduce nobody else jo
   auto rep = h.report(0, "abort", 120s);
   no_fatal(h);
   REQUIRE(rep);
-  std::istringstream in(rep->value);
-  std::string code, after;
-  double ms = 0;
-  in >> code >> ms >> after;
-  MESSAGE("abort returned after " << ms << " ms");
-  CHECK(code == "aborted");
-  CHECK(ms < 1000);
-  CHECK(after == "poisoned");
+  auto a = parse_abort(*rep);
+  MESSAGE("abort returned after " << a.ms << " ms");
+  CHECK(a.code == "aborted");
+  CHECK(a.ms < 1000);
+  CHECK(a.after == "poisoned");
 }
 
 TEST_CASE("nccl mp: the wrapper's overhead against raw ncclAllReduce") {

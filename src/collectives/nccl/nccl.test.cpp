@@ -3,6 +3,7 @@
 // another thread, poisoning, abort_all. Every case skips, saying why, when the
 // machine has no CUDA device (CI). Several ranks: mp_nccl.test.cpp.
 #include "collectives/nccl/nccl_communicator.hpp"
+#include "core/hash.hpp"
 
 #include "core/env.hpp"
 #include "kernels/gpu_test.hpp"
@@ -40,18 +41,11 @@ struct dev_buf {
   }
 };
 
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 /// Values whose sums are exact in every dtype.
 std::vector<uint8_t> filled(size_t count, dtype t, uint64_t seed) {
   std::vector<uint8_t> out(count * size_of(t));
   for (size_t i = 0; i < count; ++i) {
-    auto v = static_cast<int64_t>(mix(seed ^ i) % 33) - 16;
+    auto v = static_cast<int64_t>(splitmix64(seed ^ i) % 33) - 16;
     switch (t) {
       case dtype::float32: reinterpret_cast<float*>(out.data())[i] = static_cast<float>(v) * 0.125f; break;
       case dtype::bfloat16: reinterpret_cast<bf16*>(out.data())[i] = to_bf16(static_cast<float>(v)); break;

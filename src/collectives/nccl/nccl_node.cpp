@@ -14,6 +14,7 @@
 //                                          waits in an all_reduce nobody else joins
 //   cmesh_test_nccl bench <iters> <count>...  the wrapper against raw ncclAllReduce
 #include "collectives/host/host_communicator.hpp"
+#include "core/hash.hpp"
 #include "collectives/nccl/nccl_communicator.hpp"
 #include "core/env.hpp"
 #include "transport/join.hpp"
@@ -109,18 +110,11 @@ struct dev_buf {
   uint8_t* at(size_t byte_offset) { return static_cast<uint8_t*>(p) + byte_offset; }
 };
 
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Small integers (scaled): sums over a few ranks are exact in every dtype, so
 // NCCL and the host backend must agree bit for bit whatever their order.
 void fill(void* buf, size_t count, dtype t, uint64_t seed, size_t member) {
   for (size_t i = 0; i < count; ++i) {
-    auto v = static_cast<int64_t>(mix(seed ^ (uint64_t{member} << 48) ^ i) % 33) - 16;
+    auto v = static_cast<int64_t>(splitmix64(seed ^ (uint64_t{member} << 48) ^ i) % 33) - 16;
     switch (t) {
       case dtype::float32: static_cast<float*>(buf)[i] = static_cast<float>(v) * 0.125f; break;
       case dtype::bfloat16: static_cast<bf16*>(buf)[i] = to_bf16(static_cast<float>(v)); break;
@@ -182,7 +176,7 @@ std::vector<size_t> uneven_counts(size_t total, size_t n, uint64_t seed) {
   std::vector<size_t> c(n, 0);
   size_t left = total;
   for (size_t i = 0; i + 1 < n; ++i) {
-    c[i] = left == 0 ? 0 : mix(seed + i) % (left + 1);
+    c[i] = left == 0 ? 0 : splitmix64(seed + i) % (left + 1);
     left -= c[i];
   }
   c[n - 1] = left;
@@ -268,7 +262,7 @@ int run_ops(node& nd, uint64_t seed, bool big) {
       // all_to_allv: member i sends amount(i, j) elements to j
       {
         uint64_t s = seed ^ (count * 191);
-        auto amount = [&](size_t from, size_t to) { return mix(s + from * 64 + to) % (count + 1); };
+        auto amount = [&](size_t from, size_t to) { return splitmix64(s + from * 64 + to) % (count + 1); };
         std::vector<size_t> sc(n), rc(n);
         size_t stot = 0, rtot = 0;
         for (size_t j = 0; j < n; ++j) {
