@@ -13,6 +13,7 @@
 #include <ucp/api/ucp.h>
 
 #include <map>
+#include <optional>
 #include <thread>
 
 namespace cmesh::cli {
@@ -130,6 +131,7 @@ std::vector<std::string> worker_args(const job_options& job) {
 }
 
 int run_worker(const job_options& job) {
+  std::optional<model::run_config> config; // the train job's, resolved once
   if (job.job == "train") {
     // Bad flags or config fail before anything is started.
     std::string err;
@@ -138,10 +140,12 @@ int run_worker(const job_options& job) {
       fail_line(err);
       return 2;
     }
-    if (auto cfg = resolve_config(job.train, static_cast<size_t>(place.world_size)); !cfg) {
+    auto cfg = resolve_config(job.train, static_cast<size_t>(place.world_size));
+    if (!cfg) {
       fail_line(describe(cfg.error()));
       return 2;
     }
+    config = std::move(*cfg);
   }
   auto j = join_mesh({});
   if (!j) {
@@ -150,7 +154,7 @@ int run_worker(const job_options& job) {
     return c == errc::invalid_argument ? 2 : 3;
   }
   auto err = job.job == "ring" ? run_ring(*j, job.laps, std::chrono::seconds(job.timeout_s))
-                               : run_training(*j, job.train, std::chrono::seconds(job.timeout_s));
+                               : run_training(*j, *config, std::chrono::seconds(job.timeout_s));
   if (err) {
     fail_line(fmt::format("rank {}: {}", j->place.rank, describe(err)));
     j->net->stop();

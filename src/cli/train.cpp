@@ -55,17 +55,15 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
 
 } // namespace
 
-caf::error run_training(joined_mesh& j, const train_flags& f, std::chrono::seconds timeout) {
+caf::error run_training(joined_mesh& j, const model::run_config& config,
+                        std::chrono::seconds timeout) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
   auto report_failure = [&](const caf::error& e) {
     j.coordinator.report({rank, "failed", describe(e), mono_ns()});
     return e;
   };
-  auto cfg = resolve_config(f, size);
-  if (!cfg)
-    return report_failure(cfg.error());
-  auto data = model::corpus::load(cfg->data, cfg->train.seq_len);
+  auto data = model::corpus::load(config.data, config.train.seq_len);
   if (!data)
     return report_failure(data.error());
   auto ctx = coll::host_context::create(rank);
@@ -83,14 +81,14 @@ caf::error run_training(joined_mesh& j, const train_flags& f, std::chrono::secon
     return report_failure(comm.error());
 
   actors::trainer_options opts;
-  opts.config = *cfg;
+  opts.config = config;
   opts.replicas = size;
   if (rank == 0) {
     fmt::print("cmesh: training {} on {} replica group(s), {} ({} steps, global batch {}, "
                "{}{})\n",
-               "the built-in MoE model", size, (*data)->origin(), cfg->train.steps,
-               cfg->train.global_batch, cfg->train.precision, cfg->train.exact ? ", exact" : "");
-    size_t every = cfg->train.log_every, total = cfg->train.steps;
+               "the built-in MoE model", size, (*data)->origin(), config.train.steps,
+               config.train.global_batch, config.train.precision, config.train.exact ? ", exact" : "");
+    size_t every = config.train.log_every, total = config.train.steps;
     opts.on_step = [every, total](const actors::step_report& r) { print_progress(r, every, total); };
   }
   // The trainer runs in its own (detached) actor; this thread waits for it.

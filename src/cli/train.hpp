@@ -23,8 +23,9 @@ struct train_flags {
 /// Reads the config and applies the flags. Errors: invalid_argument.
 expected<model::run_config> resolve_config(const train_flags& f, size_t world_size);
 
-/// Runs the trainer of this rank on a joined mesh and reports "done" (or
-/// "failed") to the coordinator.
-caf::error run_training(joined_mesh& j, const train_flags& f, std::chrono::seconds timeout);
+/// Runs the trainer of this rank on a joined mesh with a config from
+/// resolve_config, and reports "done" (or "failed") to the coordinator.
+caf::error run_training(joined_mesh& j, const model::run_config& config,
+                        std::chrono::seconds timeout);
 
 } // namespace cmesh::cli
