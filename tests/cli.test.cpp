@@ -75,7 +75,8 @@ TEST_CASE("cmesh coordinator and workers started by hand, as under mpirun or sru
   auto port = port_probe.port();
   port_probe.stop(); // free the port for the real coordinator
   auto coord = child_process::spawn(bin_dir() + "/cmesh",
-                                    {"coordinator", "--port", std::to_string(port), "-n", "2"}, {});
+                                    {"coordinator", "--job", "ring", "--port", std::to_string(port), "-n", "2"},
+                                    {});
   std::vector<child_process> workers;
   for (int r = 0; r < 2; ++r)
     workers.push_back(child_process::spawn(

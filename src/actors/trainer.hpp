@@ -12,6 +12,16 @@
 // moves only on commit, and the optimizer runs only on commit, so a failed
 // step is retried whole.
 //
+// Elastic runs (with a `supervision`): a failed step is retried whole in the
+// next epoch by the survivors, the global batch split over them, so its
+// samples are consumed exactly once. The vote also carries the newest epoch
+// each rank has heard of; its maximum is the same on every member, so all
+// switch to a grown epoch after the same step. At every epoch's start the
+// members reconcile: they exchange their steps, and a member behind (a
+// commit vote that completed on some ranks only, or a joiner whose stream
+// lagged) gets the missing committed updates from the most advanced member,
+// which keeps the last replay_window of them.
+//
 // Layout so far: R replica groups of one rank each (pure data parallel, all
 // experts on every rank); sharding inside a group builds on the same loop.
 #pragma once
@@ -23,6 +33,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 
 namespace cmesh::actors {
 
@@ -36,6 +47,8 @@ struct step_report {
   double expert_imbalance = 1;  // max expert load / mean, worst layer
   uint64_t dropped = 0;
   bool skipped = false;         // dynamic loss scaling skipped the update
+  uint64_t epoch = 0;           // the epoch it committed in
+  bool first_member = true;     // this rank is the epoch's first member (it prints)
 };
 
 struct train_result {
@@ -46,11 +59,55 @@ struct train_result {
   uint64_t weights_xxh64 = 0;   // of the final fp32 weights, to compare runs
 };
 
+/// A rank's training state "at step s": the weights and AdamW moments after
+/// the committed steps 0 .. s-1.
+struct train_state {
+  uint64_t step = 0;
+  std::span<float> params, adam_m, adam_v;
+};
+
+/// Applies the committed update of step `k` (the final, averaged and clipped
+/// gradient) to a state at step k, leaving it at k + 1. Bit-exact: the same
+/// state and update give the same result on every rank.
+using apply_update = std::function<void(uint64_t k, std::span<const float> update)>;
+
+/// What the trainer needs from supervision (actors/agent.hpp implements it
+/// over the coordinator). Without one, the trainer runs on one fixed
+/// communicator and any failure ends the run.
+class supervision {
+public:
+  virtual ~supervision() = default;
+
+  /// Blocks until this rank is a member of an epoch newer than `after`, and
+  /// returns that epoch's communicator (valid until the next call). `why` is
+  /// the failure that ended the last epoch (none for the first epoch or an
+  /// agreed switch). A restarted rank first receives its state here (a
+  /// snapshot into `state`, then committed updates through `apply`).
+  /// Errors: fenced (left out of the epoch), unrecoverable, timeout.
+  virtual expected<coll::communicator*> enter_epoch(uint64_t after, const caf::error& why,
+                                                    train_state& state,
+                                                    const apply_update& apply) = 0;
+
+  /// The newest epoch pushed to this rank (0: none). Voted with every step,
+  /// so that all members switch to it after the same step.
+  virtual uint64_t newest_epoch() const = 0;
+
+  /// At each step boundary (state at `state.step`), on the trainer's thread:
+  /// a catch-up source copies the snapshot it owes here.
+  virtual void at_boundary(const train_state& state) = 0;
+
+  /// After the commit of step `k`, with the update that was applied.
+  virtual void committed(uint64_t k, std::span<const float> update) = 0;
+};
+
 struct trainer_options {
   model::run_config config;
   size_t replicas = 1;
   size_t ranks_per_group = 1;
   std::function<void(const step_report&)> on_step; // called on every commit
+  /// Committed updates kept for members that fall behind (reconciliation at
+  /// an epoch's start): a member more than this many steps behind is fenced.
+  size_t replay_window = 64;
 };
 
 /// The step loop over a communicator of every rank (one per replica group).
@@ -58,6 +115,9 @@ class trainer {
 public:
   trainer(trainer_options opts, std::unique_ptr<model::model> m,
           std::shared_ptr<const model::corpus> data, coll::communicator& comm);
+  /// Elastic: the communicator of each epoch comes from `sup`.
+  trainer(trainer_options opts, std::unique_ptr<model::model> m,
+          std::shared_ptr<const model::corpus> data, supervision& sup);
   ~trainer();
 
   /// Runs until config.train.steps committed steps. Errors: from the

@@ -1,6 +1,9 @@
 #include "cli/commands.hpp"
 
+#include "actors/supervisor.hpp"
+#include "chaos/plan.hpp"
 #include "cli/ring.hpp"
+#include "cli/train.hpp"
 #include "core/process.hpp"
 #include "kernels/device.hpp"
 #include "transport/bootstrap.hpp"
@@ -12,8 +15,10 @@
 #include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
 
+#include <csignal>
 #include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 namespace cmesh::cli {
@@ -75,6 +80,88 @@ job_outcome await_job(coordinator& coord, uint32_t world_size, std::chrono::seco
   return out;
 }
 
+/// The supervisor of a training job, from the flags.
+expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord,
+                                                              const job_options& job,
+                                                              uint64_t target_step) {
+  auto log = actors::event_log::open(job.supervise.events);
+  if (!log)
+    return log.error();
+  actors::supervisor_options so;
+  so.groups = job.world_size;
+  so.target_step = target_step;
+  so.quorum.min_replicas = job.supervise.min_replicas;
+  so.quorum.join_window_ms = job.supervise.join_window_ms;
+  so.quorum.heartbeat_timeout_ms = job.supervise.heartbeat_timeout_ms;
+  so.print = true;
+  so.quorum_wait_ms = job.supervise.quorum_wait_ms;
+  if (auto e = recovery::validate(so.quorum))
+    return e;
+  auto sup = std::make_unique<actors::supervisor>(coord, so, *log);
+  sup->start();
+  return sup;
+}
+
+/// Waits for the end of a supervised training job: every member of the
+/// current epoch that is training reported "done" (a joiner still catching
+/// up when the others finish is left behind), or the supervisor found that
+/// no epoch can form, or the deadline passed. `each_tick` (the launcher's
+/// restarts and chaos) runs every 20 ms and may end the job with a reason.
+job_outcome await_training(coordinator& coord, actors::supervisor& sup,
+                           std::chrono::seconds timeout,
+                           const std::function<std::string(const actors::supervisor::view&)>&
+                             each_tick = {}) {
+  job_outcome out;
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  size_t seen = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto reports = coord.reports();
+    for (; seen < reports.size(); ++seen) {
+      const auto& r = reports[seen];
+      if (r.key == "done") {
+        out.done[r.rank] = r.value;
+        fmt::print("cmesh: rank {} done ({})\n", r.rank, r.value);
+      } else if (r.key == "failed" || r.key == "fenced") {
+        fmt::print("cmesh: rank {} {}: {}\n", r.rank, r.key, r.value);
+      }
+    }
+    if (auto why = sup.failure()) {
+      out.reason = "no epoch can form: " + *why;
+      return out;
+    }
+    auto v = sup.snapshot();
+    bool any_done = false, all_done = v.epoch != 0;
+    for (auto& r : v.ranks) {
+      if (!r.member)
+        continue;
+      bool done = out.done.count(r.rank) > 0;
+      any_done |= done;
+      if (!done && r.state == wire::worker_status::training)
+        all_done = false;
+    }
+    if (any_done && all_done) {
+      out.ok = true;
+      return out;
+    }
+    if (each_tick) {
+      if (auto why = each_tick(v); !why.empty()) {
+        out.reason = why;
+        return out;
+      }
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  out.reason = fmt::format("job did not finish within {} s ({} ranks done)", timeout.count(),
+                           out.done.size());
+  return out;
+}
+
+/// The target step of a training job (for the supervisor).
+uint64_t target_step(const job_options& job) {
+  auto cfg = resolve_config(job.train, job.world_size);
+  return cfg ? cfg->train.steps : 0;
+}
+
 } // namespace
 
 int run_version() {
@@ -95,7 +182,19 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
   fmt::print("cmesh: coordinator listening on {}:{} for {} workers\n", bind, coord.port(),
              job.world_size);
   std::fflush(stdout);
-  auto out = await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s));
+  std::unique_ptr<actors::supervisor> sup;
+  if (job.job == "train") {
+    auto s = make_supervisor(coord, job, target_step(job));
+    if (!s) {
+      fail_line(describe(s.error()));
+      return 2;
+    }
+    sup = std::move(*s);
+  }
+  auto out = sup ? await_training(coord, *sup, std::chrono::seconds(job.timeout_s))
+                 : await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s));
+  if (sup)
+    sup->stop(); // workers leaving now are not failures
   coord.broadcast_shutdown(out.ok ? 0 : 1, out.ok ? "job done" : out.reason);
   std::this_thread::sleep_for(200ms); // let the shutdown frames leave
   coord.stop();
@@ -130,6 +229,13 @@ std::vector<std::string> worker_args(const job_options& job) {
   return a;
 }
 
+/// The worker's exit status in words, for the launcher's lines.
+std::string exit_text(int status) {
+  if (exit_code_of(status) == exit_fenced)
+    return "fenced out of the job (exit 4)";
+  return describe_wait_status(status);
+}
+
 int run_worker(const job_options& job) {
   std::optional<model::run_config> config; // the train job's, resolved once
   if (job.job == "train") {
@@ -147,14 +253,28 @@ int run_worker(const job_options& job) {
     }
     config = std::move(*cfg);
   }
-  auto j = join_mesh({});
+  join_options jo;
+  jo.connect_transport = job.job != "train";
+  auto j = join_mesh(jo);
   if (!j) {
     fail_line(describe(j.error()));
     auto c = code_of(j.error());
     return c == errc::invalid_argument ? 2 : 3;
   }
-  auto err = job.job == "ring" ? run_ring(*j, job.laps, std::chrono::seconds(job.timeout_s))
-                               : run_training(*j, *config, std::chrono::seconds(job.timeout_s));
+  if (job.job == "train") {
+    auto rc = run_training(*j, *config, std::chrono::seconds(job.timeout_s));
+    j->net->stop();
+    if (!rc) {
+      fail_line(fmt::format("rank {}: {}", j->place.rank, describe(rc.error())));
+      return 1;
+    }
+    if (*rc == exit_fenced)
+      fail_line(fmt::format("rank {}: fenced out of the job; a restart rejoins it as a new "
+                            "incarnation",
+                            j->place.rank));
+    return *rc;
+  }
+  auto err = run_ring(*j, job.laps, std::chrono::seconds(job.timeout_s));
   if (err) {
     fail_line(fmt::format("rank {}: {}", j->place.rank, describe(err)));
     j->net->stop();
@@ -172,10 +292,27 @@ int run_worker(const job_options& job) {
 }
 
 int run_launch(const job_options& job) {
+  std::vector<chaos::action> plan;
+  uint64_t target = 0;
   if (job.job == "train") {
-    if (auto cfg = resolve_config(job.train, job.world_size); !cfg) {
+    auto cfg = resolve_config(job.train, job.world_size);
+    if (!cfg) {
       fail_line(describe(cfg.error()));
       return 2;
+    }
+    target = cfg->train.steps;
+    auto p = chaos::parse_plan(job.supervise.chaos, job.world_size);
+    if (!p) {
+      fail_line(describe(p.error()));
+      return 2;
+    }
+    plan = std::move(*p);
+    if (job.supervise.chaos_kills > 0) {
+      auto more = chaos::random_plan(job.supervise.chaos_seed, job.supervise.chaos_kills, 2,
+                                     target > 2 ? target - 2 : 2, job.world_size);
+      plan.insert(plan.end(), more.begin(), more.end());
+      std::stable_sort(plan.begin(), plan.end(),
+                       [](auto& a, auto& b) { return a.at_step < b.at_step; });
     }
   }
   coordinator coord({"127.0.0.1", 0, job.world_size});
@@ -183,54 +320,164 @@ int run_launch(const job_options& job) {
     fail_line(describe(e));
     return 3;
   }
+  std::unique_ptr<actors::supervisor> sup;
+  if (job.job == "train") {
+    auto sp = make_supervisor(coord, job, target);
+    if (!sp) {
+      fail_line(describe(sp.error()));
+      return 2;
+    }
+    sup = std::move(*sp);
+  }
   auto address = fmt::format("127.0.0.1:{}", coord.port());
   fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);
+  if (!plan.empty())
+    fmt::print("cmesh: chaos plan {} (seed {})\n", chaos::to_string(plan), job.supervise.chaos_seed);
   auto exe = self_exe_dir() + "/cmesh";
-  std::vector<child_process> workers;
+  std::vector<child_process> workers(job.world_size);
   auto t0 = std::chrono::steady_clock::now();
-  for (uint32_t r = 0; r < job.world_size; ++r) {
-    std::string err;
-    auto c = child_process::spawn(
-      exe, worker_args(job),
-      {{"CMESH_COORDINATOR", address},
-       {"CMESH_RANK", std::to_string(r)},
-       {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
-       {"CMESH_LOCAL_RANK", std::to_string(r)}},
-      &err);
-    if (c.pid() < 0) {
-      fail_line("cannot start worker: " + err);
-      return 3;
-    }
-    workers.push_back(std::move(c));
-  }
-  auto early_exit = [&]() -> std::string {
-    for (uint32_t r = 0; r < workers.size(); ++r)
-      if (auto st = workers[r].poll(); st && exit_code_of(*st) != 0)
-        return fmt::format("worker {} (pid {}) ended early: {}", r, workers[r].pid(),
-                           describe_wait_status(*st));
-    return {};
+  auto secs_since_start = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  auto out = await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s), early_exit);
+  auto start_worker = [&](uint32_t r) -> bool {
+    std::string err;
+    workers[r] = child_process::spawn(exe, worker_args(job),
+                                      {{"CMESH_COORDINATOR", address},
+                                       {"CMESH_RANK", std::to_string(r)},
+                                       {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
+                                       {"CMESH_LOCAL_RANK", std::to_string(r)}},
+                                      &err);
+    if (workers[r].pid() < 0) {
+      fail_line("cannot start worker: " + err);
+      return false;
+    }
+    if (sup)
+      sup->note("worker_started", {{"rank", uint64_t{r}}, {"pid", int64_t{workers[r].pid()}}});
+    return true;
+  };
+  for (uint32_t r = 0; r < job.world_size; ++r)
+    if (!start_worker(r))
+      return 3;
+
+  job_outcome out;
+  if (job.job == "train") {
+    using clock = std::chrono::steady_clock;
+    std::vector<uint32_t> restarts(job.world_size, 0);
+    std::vector<std::optional<clock::time_point>> restart_at(job.world_size);
+    std::vector<bool> exited_ok(job.world_size, false);
+    std::vector<std::pair<clock::time_point, uint32_t>> to_continue; // SIGCONT due
+    size_t next_action = 0;
+    auto signal_rank = [&](uint32_t r, int sig, const char* name, uint64_t step) {
+      if (!workers[r].running())
+        return;
+      fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
+                 workers[r].pid(), step, secs_since_start());
+      std::fflush(stdout);
+      sup->note("chaos", {{"signal", std::string(name)},
+                          {"rank", uint64_t{r}},
+                          {"pid", int64_t{workers[r].pid()}},
+                          {"step", step}});
+      workers[r].signal(sig);
+    };
+    auto tick = [&](const actors::supervisor::view& v) -> std::string {
+      auto now = clock::now();
+      // Chaos: actions whose step the members reached.
+      while (next_action < plan.size() && plan[next_action].at_step <= v.max_member_step) {
+        auto& a = plan[next_action];
+        if (a.kind == chaos::action_kind::kill_source) {
+          if (!v.catchup_source)
+            break; // waits for a catch-up to run
+          signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
+        } else if (a.kind == chaos::action_kind::kill) {
+          signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
+        } else {
+          signal_rank(a.rank, SIGSTOP, "SIGSTOP", v.max_member_step);
+          to_continue.emplace_back(now + std::chrono::milliseconds(a.stop_ms), a.rank);
+        }
+        ++next_action;
+      }
+      for (auto it = to_continue.begin(); it != to_continue.end();) {
+        if (it->first <= now) {
+          signal_rank(it->second, SIGCONT, "SIGCONT", v.max_member_step);
+          it = to_continue.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      // Dead workers are restarted after the delay, up to max_restarts each.
+      size_t alive = 0;
+      for (uint32_t r = 0; r < workers.size(); ++r) {
+        if (restart_at[r] && *restart_at[r] <= now) {
+          restart_at[r].reset();
+          ++restarts[r];
+          fmt::print("cmesh: restarting worker {} (restart {} of {}, t+{:.3f} s)\n", r,
+                      restarts[r], job.supervise.max_restarts, secs_since_start());
+          std::fflush(stdout);
+          sup->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
+          if (!start_worker(r))
+            return "cannot restart a worker";
+        }
+        if (workers[r].running()) {
+          if (auto st = workers[r].poll()) {
+            exited_ok[r] = exit_code_of(*st) == 0;
+            if (!exited_ok[r]) {
+              fmt::print("cmesh: worker {} (pid {}) ended: {} (t+{:.3f} s)\n", r,
+                         workers[r].pid(), exit_text(*st), secs_since_start());
+              sup->note("worker_exit", {{"rank", uint64_t{r}},
+                                        {"pid", int64_t{workers[r].pid()}},
+                                        {"status", exit_text(*st)}});
+              if (restarts[r] < job.supervise.max_restarts) {
+                restart_at[r] = now + std::chrono::milliseconds(job.supervise.restart_delay_ms);
+                fmt::print("cmesh: worker {} restarts in {} ms\n", r,
+                           job.supervise.restart_delay_ms);
+              }
+              std::fflush(stdout);
+            }
+          }
+        }
+        alive += workers[r].running() || restart_at[r] ? 1 : 0;
+      }
+      if (alive == 0)
+        return "every worker has exited";
+      return {};
+    };
+    out = await_training(coord, *sup, std::chrono::seconds(job.timeout_s), tick);
+  } else {
+    auto early_exit = [&]() -> std::string {
+      for (uint32_t r = 0; r < workers.size(); ++r)
+        if (auto st = workers[r].poll(); st && exit_code_of(*st) != 0)
+          return fmt::format("worker {} (pid {}) ended early: {}", r, workers[r].pid(),
+                             describe_wait_status(*st));
+      return {};
+    };
+    out = await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s), early_exit);
+  }
+  if (sup)
+    sup->stop(); // workers leaving now are not failures
   coord.broadcast_shutdown(out.ok ? 0 : 1, out.ok ? "job done" : out.reason);
   int rc = out.ok ? 0 : 1;
   for (uint32_t r = 0; r < workers.size(); ++r) {
+    if (workers[r].pid() <= 0)
+      continue;
+    workers[r].signal(SIGCONT); // a stopped worker cannot hear the shutdown
     auto st = workers[r].wait(10s);
     if (!st) {
       fmt::print(stderr, "cmesh: worker {} did not exit; killing it\n", r);
       workers[r].kill_and_reap();
       rc = 1;
-    } else if (exit_code_of(*st) != 0) {
+    } else if (exit_code_of(*st) != 0 && job.job != "train") {
       fmt::print(stderr, "cmesh: worker {} ended with {}\n", r, describe_wait_status(*st));
       rc = 1;
     }
   }
+  if (sup)
+    sup->stop();
   coord.stop();
-  auto secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!out.ok) {
     fail_line(out.reason);
     return 1;
   }
-  fmt::print("cmesh: {} workers done in {:.2f} s{}\n", job.world_size, secs,
+  fmt::print("cmesh: {} workers done in {:.2f} s{}\n", job.world_size, secs_since_start(),
              rc == 0 ? "" : " (some exited badly)");
   if (job.job == "train" && !out.done.empty())
     fmt::print("cmesh: summary: {}\n", out.done.begin()->second);

@@ -9,12 +9,27 @@
 
 namespace cmesh::cli {
 
+/// Supervision of a training job (coordinator and launch).
+struct supervise_flags {
+  std::string events;               // JSON-lines event log ("-": stdout)
+  int64_t heartbeat_timeout_ms = 1500;
+  int64_t join_window_ms = 1000;
+  uint32_t min_replicas = 1;
+  int64_t quorum_wait_ms = 120000;  // a broken epoch without quorum this long fails the job
+  int64_t restart_delay_ms = 1000;  // launch: before a dead worker is restarted
+  uint32_t max_restarts = 3;        // launch: per rank
+  std::string chaos;                // launch: a chaos plan (chaos/plan.hpp)
+  size_t chaos_kills = 0;           // launch: random kills ...
+  uint64_t chaos_seed = 1;          // ... drawn with this seed
+};
+
 struct job_options {
   uint32_t world_size = 1;
   std::string job = "train";  // "train" or "ring" (the transport smoke job)
   uint32_t laps = 3;          // ring laps of the smoke job
   int64_t timeout_s = 1800;   // whole job
   train_flags train;
+  supervise_flags supervise;
 };
 
 /// The worker's command line for a job (what `launch` passes on).

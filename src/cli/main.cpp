@@ -26,8 +26,6 @@ int main(int argc, char** argv) {
   coord->add_option("--port", port, "port to listen on (0: any)")->capture_default_str();
   coord->add_option("-n,--world-size", job.world_size, "number of workers")
     ->required()->check(CLI::Range(1u, 1u << 20));
-  coord->add_option("--timeout-s", job.timeout_s, "give up after this long")
-    ->capture_default_str()->check(CLI::PositiveNumber);
 
   auto add_job_flags = [&](CLI::App* cmd) {
     cmd->add_option("--job", job.job, "train (the built-in MoE workload) or ring (transport smoke)")
@@ -48,6 +46,24 @@ int main(int argc, char** argv) {
     cmd->add_option("--replicas", job.train.replicas, "replica groups (default: one per rank)")
       ->check(CLI::PositiveNumber);
   };
+  auto add_supervise_flags = [&](CLI::App* cmd) {
+    auto& f = job.supervise;
+    cmd->add_option("--events", f.events, "JSON-lines event log of failures and recoveries "
+                                          "(a file, or - for stdout)");
+    cmd->add_option("--heartbeat-timeout-ms", f.heartbeat_timeout_ms,
+                    "a worker silent this long is dead")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{3600000}));
+    cmd->add_option("--join-window-ms", f.join_window_ms,
+                    "returning groups wait this long to join together")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{3600000}));
+    cmd->add_option("--min-replicas", f.min_replicas, "replica groups an epoch needs at least")
+      ->capture_default_str()->check(CLI::Range(1u, 1u << 20));
+    cmd->add_option("--quorum-wait-ms", f.quorum_wait_ms,
+                    "a broken epoch that finds no quorum this long ends the job")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+  };
+  add_job_flags(coord); // the job it supervises (train: epochs, retries, catch-up)
+  add_supervise_flags(coord);
 
   auto* worker = app.add_subcommand(
     "worker", "one rank; rank and size from OMPI_COMM_WORLD_*, SLURM_* or CMESH_*, "
@@ -58,6 +74,19 @@ int main(int argc, char** argv) {
   launch->add_option("-n,--world-size", job.world_size, "number of workers")
     ->required()->check(CLI::Range(1u, 256u));
   add_job_flags(launch);
+  add_supervise_flags(launch);
+  launch->add_option("--restart-delay-ms", job.supervise.restart_delay_ms,
+                     "a dead worker restarts after this long (a spare node)")
+    ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{3600000}));
+  launch->add_option("--max-restarts", job.supervise.max_restarts, "restarts per rank")
+    ->capture_default_str();
+  launch->add_option("--chaos", job.supervise.chaos,
+                     "faults to inject: kill@STEP:RANK, stop@STEP:RANK:MS, kill-source@STEP "
+                     "(comma-separated)");
+  launch->add_option("--chaos-kills", job.supervise.chaos_kills,
+                     "SIGKILLs of random ranks at random steps, drawn with --chaos-seed");
+  launch->add_option("--chaos-seed", job.supervise.chaos_seed, "seed of --chaos-kills")
+    ->capture_default_str();
 
   try {
     app.parse(argc, argv);

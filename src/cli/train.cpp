@@ -1,5 +1,6 @@
 #include "cli/train.hpp"
 
+#include "actors/agent.hpp"
 #include "actors/trainer.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "model/moe_lm.hpp"
@@ -55,12 +56,13 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
 
 } // namespace
 
-caf::error run_training(joined_mesh& j, const model::run_config& config,
-                        std::chrono::seconds timeout) {
+expected<int> run_training(joined_mesh& j, const model::run_config& config,
+                           std::chrono::seconds timeout) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
   auto report_failure = [&](const caf::error& e) {
-    j.coordinator.report({rank, "failed", describe(e), mono_ns()});
+    j.coordinator.report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
+                          mono_ns()});
     return e;
   };
   auto data = model::corpus::load(config.data, config.train.seq_len);
@@ -69,53 +71,64 @@ caf::error run_training(joined_mesh& j, const model::run_config& config,
   auto ctx = coll::host_context::create(rank);
   if (!ctx)
     return report_failure(ctx.error());
-  if (auto e = j.net->start())
-    return report_failure(e);
-  coll::membership everyone{1, {}};
-  for (uint32_t r = 0; r < size; ++r)
-    everyone.ranks.push_back(r);
-  auto* net = j.net.get();
-  auto comm = coll::make_host_communicator(*ctx, everyone, j.coordinator,
-                                           [net](uint32_t r) { return net->peer_error(r); });
-  if (!comm)
-    return report_failure(comm.error());
+
+  actors::agent_options ao;
+  ao.rank = rank;
+  ao.incarnation = j.incarnation;
+  actors::agent agent(ao, j.coordinator, *ctx);
+  agent.start();
 
   actors::trainer_options opts;
   opts.config = config;
   opts.replicas = size;
-  if (rank == 0) {
+  if (rank == 0)
     fmt::print("cmesh: training {} on {} replica group(s), {} ({} steps, global batch {}, "
                "{}{})\n",
                "the built-in MoE model", size, (*data)->origin(), config.train.steps,
                config.train.global_batch, config.train.precision, config.train.exact ? ", exact" : "");
-    size_t every = config.train.log_every, total = config.train.steps;
-    opts.on_step = [every, total](const actors::step_report& r) { print_progress(r, every, total); };
-  }
+  size_t every = config.train.log_every, total = config.train.steps;
+  opts.on_step = [every, total](const actors::step_report& r) {
+    if (r.first_member)
+      print_progress(r, every, total);
+  };
   // The trainer runs in its own (detached) actor; this thread waits for it.
   caf::actor_system_config sys_cfg;
   tune_actor_system(sys_cfg, 1);
   caf::actor_system sys{sys_cfg};
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
-  auto* c = comm->get();
-  spawn_blocking(sys, [done, opts, data = *data, c](caf::blocking_actor*) {
-    actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *c);
+  auto* sup = &agent;
+  spawn_blocking(sys, [done, opts, data = *data, sup](caf::blocking_actor*) {
+    actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *sup);
     done->set_value(t.run());
   });
   if (fut.wait_for(timeout) != std::future_status::ready) {
-    (*comm)->abort(make_error(errc::timeout, "training did not finish in time"));
+    agent.stop(); // aborts the running collective
     fut.wait();
   }
   auto result = fut.get();
-  if (!result)
-    return report_failure(result.error());
+  if (!result) {
+    agent.stop();
+    report_failure(result.error());
+    if (code_of(result.error()) == errc::fenced)
+      return exit_fenced;
+    return result.error();
+  }
+  agent.finished(result->steps);
   j.coordinator.report(
     {rank, "done",
      fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
                  result->steps, result->final_loss, result->tokens_per_s, result->seconds,
                  result->weights_xxh64),
      mono_ns()});
-  return {};
+  // Beacons go on until the job ends, so the coordinator never mistakes a
+  // finished rank for a dead one while the others finish.
+  auto sd = j.coordinator.wait_shutdown(timeout);
+  agent.stop();
+  if (!sd)
+    return make_error(code_of(sd.error()),
+                      "waiting for the coordinator's shutdown: " + describe(sd.error()));
+  return sd->exit_code;
 }
 
 } // namespace cmesh::cli

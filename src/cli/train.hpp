@@ -24,8 +24,14 @@ struct train_flags {
 expected<model::run_config> resolve_config(const train_flags& f, size_t world_size);
 
 /// Runs the trainer of this rank on a joined mesh with a config from
-/// resolve_config, and reports "done" (or "failed") to the coordinator.
-caf::error run_training(joined_mesh& j, const model::run_config& config,
-                        std::chrono::seconds timeout);
+/// resolve_config, under the coordinator's supervision (epochs, retries,
+/// catch-up), reports "done" (or "failed", "fenced") to the coordinator and
+/// waits for its shutdown. Returns the exit code: the shutdown's, or
+/// exit_fenced when this incarnation was left out of an epoch.
+expected<int> run_training(joined_mesh& j, const model::run_config& config,
+                           std::chrono::seconds timeout);
+
+/// Exit code of a worker fenced out of the job (it may be restarted).
+constexpr int exit_fenced = 4;
 
 } // namespace cmesh::cli

@@ -23,6 +23,8 @@ std::string_view to_string(errc x) {
     case errc::stale_epoch: return "stale_epoch";
     case errc::poisoned: return "poisoned";
     case errc::overflow: return "overflow";
+    case errc::fenced: return "fenced";
+    case errc::unrecoverable: return "unrecoverable";
   }
   return "unknown_error";
 }

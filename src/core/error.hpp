@@ -32,6 +32,8 @@ enum class errc : uint8_t {
   stale_epoch = 14,       // a message from an epoch that is over
   poisoned = 15,          // a communicator after an error, until rebuilt
   overflow = 16,          // an exact-mode sum that would not fit
+  fenced = 17,            // this incarnation was left out of the epoch: it must restart
+  unrecoverable = 18,     // no epoch can form: a restart from a checkpoint is needed
 };
 
 /// CAF error category of every cmesh error.

@@ -63,6 +63,8 @@ constexpr auto kv_answer_margin = 2s;
 /// Peer tables and rejections kept for register_and_wait (later tables only
 /// replace latest_table()).
 constexpr size_t client_answers_max = 16;
+/// Supervision messages kept until a handler is set.
+constexpr size_t client_control_backlog_max = 64;
 
 /// now + timeout, clamped so that no caller's timeout overflows the clock.
 clock_type::time_point deadline_after(std::chrono::milliseconds timeout) {
@@ -442,6 +444,18 @@ caf::error coordinator::impl::dispatch(const conn_ptr& c, const wire::frame_view
       drop_prefix(m->prefix);
       return {};
     }
+    case wire::worker_status::kind: {
+      auto m = wire::decode_body<wire::worker_status>(v.body);
+      if (!m)
+        return m.error();
+      if (!c->rank) {
+        spdlog::warn("coordinator: dropped a status from unregistered {}", c->peer);
+        return {};
+      }
+      worker_event ev{worker_event::type::status, *c->rank, {}, *m, m->incarnation};
+      emit(ev);
+      return {};
+    }
     default: {
       const char* name = wire::kind_name(v.header.kind);
       return make_error(errc::unknown_kind, std::string(name ? name : "unknown kind")
@@ -468,7 +482,7 @@ void coordinator::impl::on_register(const conn_ptr& c, const wire::register_work
   }
   spdlog::info("coordinator: rank {} registered from {} (host {}, pid {}, incarnation {}); {}/{} live",
                m.rank, c->peer, m.host, m.pid, m.incarnation, live, opts.world_size);
-  emit(worker_event{worker_event::type::registered, m.rank, {}});
+  emit(worker_event{worker_event::type::registered, m.rank, {}, {}, m.incarnation});
   if (table_sent || live == opts.world_size)
     publish_table();
 }
@@ -547,18 +561,20 @@ void coordinator::impl::on_report(const conn_ptr& c, const wire::report& r) {
 
 void coordinator::impl::on_disconnect(const conn_ptr& c) {
   uint32_t rank = *c->rank;
+  uint64_t incarnation = 0;
   {
     std::lock_guard lk(mu);
     auto it = ranks.find(rank);
     if (it == ranks.end() || it->second.conn != c)
       return;
     it->second.conn = nullptr;
+    incarnation = it->second.entry.incarnation;
   }
   if (stopping)
     spdlog::info("coordinator: closed the connection of rank {}", rank);
   else
     spdlog::warn("coordinator: rank {} disconnected ({})", rank, c->peer);
-  emit(worker_event{worker_event::type::disconnected, rank, {}});
+  emit(worker_event{worker_event::type::disconnected, rank, {}, {}, incarnation});
 }
 
 void coordinator::impl::emit(const worker_event& ev) {
@@ -800,6 +816,21 @@ void coordinator::broadcast_shutdown(int32_t exit_code, const std::string& reaso
   });
 }
 
+void coordinator::send_control(std::optional<uint32_t> rank, const control_message& m) {
+  auto* s = impl_.get();
+  asio::post(s->ioc, [s, rank, m] {
+    std::vector<impl::conn_ptr> to;
+    {
+      std::lock_guard lk(s->mu);
+      for (auto& [r, st] : s->ranks)
+        if (st.conn && (!rank || r == *rank))
+          to.push_back(st.conn);
+    }
+    for (auto& c : to)
+      std::visit([&](const auto& msg) { s->send(c, msg); }, m);
+  });
+}
+
 void coordinator::on_event(std::function<void(const worker_event&)> f) {
   std::lock_guard lk(impl_->mu);
   impl_->on_event = std::move(f);
@@ -898,6 +929,9 @@ struct coordinator_client::impl {
   std::optional<wire::shutdown> shutdown_seen; // kept for wait_shutdown()
   uint64_t next_request = 1;
   std::map<uint64_t, std::optional<wire::kv_value>> kv_waiters; // by request id
+  std::function<void(const control_message&)> on_control;       // guarded by control_mu
+  std::deque<control_message> control_backlog;                   // before a handler was set
+  std::mutex control_mu; // held while the handler runs, so it is never replaced mid-call
 
   // Callers' threads.
   caf::error send(packet p);
@@ -1090,6 +1124,30 @@ caf::error coordinator_client::impl::deliver(std::span<const uint8_t> bytes) {
       if (auto it = kv_waiters.find(m->request_id); it != kv_waiters.end() && !it->second)
         it->second = std::move(*m);
       break;
+    }
+    case wire::epoch_notice::kind:
+    case wire::catchup_assign::kind: {
+      control_message msg;
+      if (v->header.kind == wire::epoch_notice::kind) {
+        auto m = wire::decode_body<wire::epoch_notice>(v->body);
+        if (!m)
+          return m.error();
+        msg = std::move(*m);
+      } else {
+        auto m = wire::decode_body<wire::catchup_assign>(v->body);
+        if (!m)
+          return m.error();
+        msg = std::move(*m);
+      }
+      std::lock_guard lk(control_mu);
+      if (on_control) {
+        on_control(msg);
+      } else {
+        control_backlog.push_back(std::move(msg));
+        if (control_backlog.size() > client_control_backlog_max)
+          control_backlog.pop_front();
+      }
+      return {};
     }
     default:
       return {}; // a kind a client has no use for
@@ -1298,6 +1356,23 @@ caf::error coordinator_client::report(const wire::report& r) {
   if (!impl_)
     return moved_from();
   return impl_->send(make_packet(header(impl_->rank, wire::no_process), r));
+}
+
+caf::error coordinator_client::send_status(const wire::worker_status& st) {
+  if (!impl_)
+    return moved_from();
+  return impl_->send(make_packet(header(impl_->rank, wire::no_process), st));
+}
+
+void coordinator_client::on_control(std::function<void(const control_message&)> f) {
+  if (!impl_)
+    return;
+  std::lock_guard lk(impl_->control_mu);
+  impl_->on_control = std::move(f);
+  if (impl_->on_control)
+    for (auto& m : impl_->control_backlog)
+      impl_->on_control(m);
+  impl_->control_backlog.clear();
 }
 
 expected<wire::shutdown> coordinator_client::wait_shutdown(std::chrono::milliseconds timeout) {

@@ -40,6 +40,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace cmesh {
@@ -70,10 +71,15 @@ constexpr int64_t kv_wait_ms_max = 600000;
 
 /// What the coordinator saw of one worker.
 struct worker_event {
-  enum class type { registered, report, disconnected } what;
+  enum class type { registered, report, disconnected, status } what;
   uint32_t rank = 0;
-  wire::report report; // for type::report
+  wire::report report;        // for type::report
+  wire::worker_status status; // for type::status
+  uint64_t incarnation = 0;   // the registered incarnation (registered, disconnected)
 };
+
+/// A supervision message from the coordinator to a worker.
+using control_message = std::variant<wire::epoch_notice, wire::catchup_assign>;
 
 /// The coordinator's bootstrap service; runs its own I/O thread.
 class coordinator {
@@ -103,6 +109,10 @@ public:
 
   /// Sends a shutdown to every connected worker.
   void broadcast_shutdown(int32_t exit_code, const std::string& reason);
+
+  /// Sends a supervision message to `rank` (dropped when it has no live
+  /// connection) or, with nullopt, to every registered connection. Any thread.
+  void send_control(std::optional<uint32_t> rank, const control_message& m);
 
   /// Erases every key of the KV store that starts with `prefix` (all keys
   /// when it is empty). Waiting kv_gets keep waiting. Any thread.
@@ -152,6 +162,14 @@ public:
 
   /// Sends a report (fire and forget; error if the connection is gone).
   caf::error report(const wire::report& r);
+
+  /// Sends this worker's status beacon (fire and forget).
+  caf::error send_status(const wire::worker_status& s);
+
+  /// Handles the coordinator's supervision messages, on the client's I/O
+  /// thread (must not block). Messages that came before a handler was set
+  /// (at most 64) are handed to it first, on the caller's thread.
+  void on_control(std::function<void(const control_message&)> f);
 
   /// Waits up to `timeout` for a shutdown from the coordinator. Errors:
   /// timeout, closed (connection lost: the coordinator is gone).

@@ -1,5 +1,7 @@
 #include "transport/join.hpp"
 
+#include <chrono>
+
 #include <spdlog/spdlog.h>
 
 #include <unistd.h>
@@ -54,19 +56,27 @@ expected<joined_mesh> join_mesh(join_options opts) {
   wire::register_worker me;
   me.rank = rank;
   me.world_size = static_cast<uint32_t>(opts.place->world_size);
-  me.incarnation = opts.incarnation != 0
-                     ? opts.incarnation
-                     : (static_cast<uint64_t>(getpid()) << 32) ^ static_cast<uint64_t>(mono_ns());
+  // Incarnations must grow from one process of a rank to its replacement,
+  // on this node or a spare: the wall clock in nanoseconds does (a restart
+  // takes far longer than any clock skew a cluster tolerates).
+  me.incarnation =
+    opts.incarnation != 0
+      ? opts.incarnation
+      : static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
   me.pid = getpid();
   me.host = host_name();
   me.ucx_address = (*net)->address();
   auto table = client->register_and_wait(me, std::chrono::milliseconds(opts.register_timeout_ms));
   if (!table)
     return table.error();
-  if (auto e = (*net)->connect(table->peers))
-    return e;
+  if (opts.connect_transport)
+    if (auto e = (*net)->connect(table->peers))
+      return e;
   spdlog::debug("rank {}: joined a mesh of {}", rank, table->world_size);
-  return joined_mesh{*opts.place, std::move(*net), std::move(*client), std::move(*table)};
+  return joined_mesh{*opts.place, me.incarnation, std::move(*net), std::move(*client),
+                     std::move(*table)};
 }
 
 } // namespace cmesh

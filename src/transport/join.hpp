@@ -21,12 +21,17 @@ struct join_options {
   std::optional<launch_env> place;      // default: read_launch_env()
   int64_t connect_timeout_ms = 10000;   // to reach the coordinator (CMESH_CONNECT_TIMEOUT_MS)
   int64_t register_timeout_ms = 60000;  // for every rank to register (CMESH_REGISTER_TIMEOUT_MS)
-  uint64_t incarnation = 0;             // 0: derived from pid and time
+  uint64_t incarnation = 0;             // 0: the wall clock in ns (grows across restarts)
   transport_options transport;
+  /// Connect the transport's endpoints to the peer table. The training job
+  /// does not: its data plane is the collectives' own per-epoch endpoints,
+  /// and a restarted rank must not dial the dead addresses of the table.
+  bool connect_transport = true;
 };
 
 struct joined_mesh {
   launch_env place;
+  uint64_t incarnation = 0;       // this process's, as registered
   std::unique_ptr<transport> net; // connected, not started
   coordinator_client coordinator;
   wire::peer_table table;

@@ -132,6 +132,63 @@ struct kv_drop {
   bool operator==(const kv_drop&) const = default;
 };
 
+// -- supervision (worker <-> coordinator, on the bootstrap connection) ---------
+
+/// A worker's beacon to the coordinator, every heartbeat interval and on each
+/// change: which incarnation it is, where it stands and what it can do.
+struct worker_status {
+  static constexpr kind_t kind = 10;
+  static constexpr const char* name = "worker_status";
+  enum state_t : uint8_t {
+    fresh = 0,       // started, holds the initial weights (step 0), no epoch yet
+    training = 1,    // a member of `epoch`, at committed step `step`
+    catching_up = 2, // restarted: needs (or is receiving) a snapshot
+    ready = 3,       // caught up and following its source's stream: may join
+    recovering = 4,  // its step failed; waiting for the next epoch
+  };
+  uint64_t incarnation = 0;
+  uint64_t epoch = 0;
+  uint64_t step = 0;
+  uint8_t state = fresh;
+  /// The catch-up session it holds (catching_up, ready) or that failed (fresh).
+  uint64_t session = 0;
+  int64_t mono_ns = 0;
+  MSGPACK_DEFINE(incarnation, epoch, step, state, session, mono_ns)
+  bool operator==(const worker_status&) const = default;
+};
+
+/// The coordinator's push: the epoch every member must use from now on (or,
+/// with `fail`, that no epoch can form). Members are ranks, each with the
+/// incarnation admitted; anyone else holding an older epoch is fenced.
+struct epoch_notice {
+  static constexpr kind_t kind = 11;
+  static constexpr const char* name = "epoch_notice";
+  uint64_t epoch = 0;
+  std::vector<uint32_t> ranks;
+  std::vector<uint64_t> incarnations;
+  bool fail = false;
+  std::string reason;
+  /// Members of this epoch found dead since it began (the epoch is broken
+  /// and no new one could form yet): their peers stop waiting for them.
+  std::vector<uint32_t> lost;
+  MSGPACK_DEFINE(epoch, ranks, incarnations, fail, reason, lost)
+  bool operator==(const epoch_notice&) const = default;
+};
+
+/// Catch-up session `session`: `source` sends its state to `joiner`
+/// (incarnation `joiner_incarnation`), then streams its committed steps.
+/// Sent to both.
+struct catchup_assign {
+  static constexpr kind_t kind = 12;
+  static constexpr const char* name = "catchup_assign";
+  uint64_t session = 0;
+  uint32_t joiner = 0;
+  uint64_t joiner_incarnation = 0;
+  uint32_t source = 0;
+  MSGPACK_DEFINE(session, joiner, joiner_incarnation, source)
+  bool operator==(const catchup_assign&) const = default;
+};
+
 // -- transport (process <-> process over UCX) ----------------------------------
 
 /// Liveness beacon on the control endpoint.
@@ -199,12 +256,14 @@ template <class... Ts>
 struct type_list {};
 
 using bootstrap_messages = type_list<register_worker, peer_table, report, shutdown, rejected,
-                                     kv_put, kv_get, kv_value, kv_drop>;
+                                     kv_put, kv_get, kv_value, kv_drop, worker_status,
+                                     epoch_notice, catchup_assign>;
 using transport_messages = type_list<heartbeat>;
 /// Kinds that may be sent between actors (what a remote proxy forwards).
 using actor_messages = type_list<token, sequenced, blob, ack>;
 using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected, kv_put,
-                               kv_get, kv_value, kv_drop, heartbeat, token, sequenced, blob, ack>;
+                               kv_get, kv_value, kv_drop, worker_status, epoch_notice,
+                               catchup_assign, heartbeat, token, sequenced, blob, ack>;
 
 template <class T>
 constexpr bool has_bulk_v = requires { T::has_bulk; };

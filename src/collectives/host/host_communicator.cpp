@@ -1,5 +1,7 @@
 #include "collectives/host/host_communicator.hpp"
 
+#include <algorithm>
+
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "transport/bootstrap.hpp"
@@ -792,10 +794,25 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
       addresses[i] = mine;
       continue;
     }
-    auto a = coordinator.kv_get(ns + std::to_string(members.ranks[i]), opts.rendezvous_timeout);
-    if (!a)
-      return a.error();
-    addresses[i].assign(a->begin(), a->end());
+    // Waited for in slices, so that a member found lost meanwhile (the
+    // failure detector says so) ends the wait at once, not at the timeout.
+    const auto key = ns + std::to_string(members.ranks[i]);
+    const auto deadline = std::chrono::steady_clock::now() + opts.rendezvous_timeout;
+    for (;;) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+      auto a = coordinator.kv_get(key, std::clamp(left, std::chrono::milliseconds(1),
+                                                  std::chrono::milliseconds(200)));
+      if (a) {
+        addresses[i].assign(a->begin(), a->end());
+        break;
+      }
+      if (code_of(a.error()) != errc::timeout || left.count() <= 200)
+        return a.error();
+      if (status)
+        if (auto lost = status(members.ranks[i]))
+          return lost;
+    }
   }
   return make_host_communicator(std::move(ctx), std::move(members), addresses, std::move(status),
                                 opts);

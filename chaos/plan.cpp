@@ -1,0 +1,112 @@
+#include "chaos/plan.hpp"
+
+#include "core/hash.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <set>
+
+namespace cmesh::chaos {
+
+namespace {
+
+std::vector<std::string_view> split(std::string_view s, char sep) {
+  std::vector<std::string_view> out;
+  size_t start = 0;
+  for (;;) {
+    auto pos = s.find(sep, start);
+    out.push_back(s.substr(start, pos == std::string_view::npos ? pos : pos - start));
+    if (pos == std::string_view::npos)
+      return out;
+    start = pos + 1;
+  }
+}
+
+template <class T>
+bool number(std::string_view s, T& out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+  return ec == std::errc{} && p == s.data() + s.size() && !s.empty();
+}
+
+} // namespace
+
+expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_size) {
+  std::vector<action> plan;
+  if (text.empty())
+    return plan;
+  for (auto item : split(text, ',')) {
+    auto bad = [&](const std::string& why) {
+      return make_error(errc::invalid_argument,
+                        fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
+                                    "stop@STEP:RANK:MS, kill-source@STEP)",
+                                    item, why));
+    };
+    auto at = item.find('@');
+    if (at == std::string_view::npos)
+      return bad("no @STEP");
+    auto verb = item.substr(0, at);
+    auto args = split(item.substr(at + 1), ':');
+    action a;
+    if (!number(args[0], a.at_step))
+      return bad("the step is not a number");
+    if (verb == "kill" || verb == "stop") {
+      a.kind = verb == "kill" ? action_kind::kill : action_kind::stop;
+      size_t want = a.kind == action_kind::kill ? 2 : 3;
+      if (args.size() != want)
+        return bad(fmt::format("expected {} fields after @", want));
+      if (!number(args[1], a.rank))
+        return bad("the rank is not a number");
+      if (a.rank >= world_size)
+        return bad(fmt::format("rank {} is outside the {} workers", a.rank, world_size));
+      if (a.kind == action_kind::stop && (!number(args[2], a.stop_ms) || a.stop_ms <= 0))
+        return bad("the stop time is not a positive number of milliseconds");
+    } else if (verb == "kill-source") {
+      a.kind = action_kind::kill_source;
+      if (args.size() != 1)
+        return bad("kill-source takes only a step");
+    } else {
+      return bad("unknown action");
+    }
+    plan.push_back(a);
+  }
+  std::stable_sort(plan.begin(), plan.end(),
+                   [](const action& x, const action& y) { return x.at_step < y.at_step; });
+  return plan;
+}
+
+std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
+                                uint64_t last_step, uint32_t world_size) {
+  std::vector<action> plan;
+  if (last_step < first_step || world_size == 0)
+    return plan;
+  uint64_t span = last_step - first_step + 1;
+  kills = std::min<size_t>(kills, span);
+  uint64_t counter = 0;
+  auto draw = [&] { return splitmix64(seed + 0x9e3779b97f4a7c15ull * ++counter); };
+  std::set<uint64_t> steps;
+  while (steps.size() < kills)
+    steps.insert(first_step + draw() % span);
+  for (auto s : steps)
+    plan.push_back({action_kind::kill, s, static_cast<uint32_t>(draw() % world_size), 0});
+  return plan;
+}
+
+std::string to_string(const std::vector<action>& plan) {
+  std::string out;
+  for (auto& a : plan) {
+    if (!out.empty())
+      out += ',';
+    switch (a.kind) {
+      case action_kind::kill: out += fmt::format("kill@{}:{}", a.at_step, a.rank); break;
+      case action_kind::stop:
+        out += fmt::format("stop@{}:{}:{}", a.at_step, a.rank, a.stop_ms);
+        break;
+      case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
+    }
+  }
+  return out;
+}
+
+} // namespace cmesh::chaos

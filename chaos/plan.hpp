@@ -1,0 +1,46 @@
+// Chaos plans: the faults `cmesh launch --chaos` injects into its own
+// workers, with real signals, when training reaches given steps.
+//
+// Text form, comma-separated actions:
+//   kill@S:R           SIGKILL rank R once the live members committed step S
+//   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
+//   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
+//                      at step S or as soon as a catch-up runs after it
+//   kill-coordinator   is not a plan action: the coordinator is the launcher
+// A seeded random plan (random_plan) picks kills at distinct steps; the seed
+// is printed with the plan, so a failing run can be replayed.
+#pragma once
+
+#include "core/error.hpp"
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cmesh::chaos {
+
+enum class action_kind : uint8_t { kill, stop, kill_source };
+
+struct action {
+  action_kind kind = action_kind::kill;
+  uint64_t at_step = 0;
+  uint32_t rank = 0;   // kill, stop
+  int64_t stop_ms = 0; // stop
+  bool operator==(const action&) const = default;
+};
+
+/// Parses the text form; ranks must be below `world_size`. Errors:
+/// invalid_argument naming the bad action.
+expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_size);
+
+/// `kills` SIGKILLs at distinct steps drawn from [first_step, last_step],
+/// each of a rank drawn from [0, world_size), sorted by step. Deterministic
+/// in its arguments.
+std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
+                                uint64_t last_step, uint32_t world_size);
+
+/// The text form of a plan (parse_plan reads it back).
+std::string to_string(const std::vector<action>& plan);
+
+} // namespace cmesh::chaos

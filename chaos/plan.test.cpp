@@ -1,0 +1,48 @@
+#include "chaos/plan.hpp"
+
+#include <doctest/doctest.h>
+
+using namespace cmesh::chaos;
+
+TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
+  auto p = parse_plan("stop@8:2:3000,kill@5:1,kill-source@9", 4);
+  REQUIRE(p);
+  REQUIRE(p->size() == 3);
+  CHECK((*p)[0] == action{action_kind::kill, 5, 1, 0});
+  CHECK((*p)[1] == action{action_kind::stop, 8, 2, 3000});
+  CHECK((*p)[2].kind == action_kind::kill_source);
+  CHECK(to_string(*p) == "kill@5:1,stop@8:2:3000,kill-source@9");
+  auto again = parse_plan(to_string(*p), 4);
+  REQUIRE(again);
+  CHECK(*again == *p);
+  auto empty = parse_plan("", 4);
+  REQUIRE(empty);
+  CHECK(empty->empty());
+}
+
+TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
+  for (const char* bad : {"kill@5", "kill@x:1", "kill@5:9", "stop@5:1", "stop@5:1:0",
+                          "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,"}) {
+    auto p = parse_plan(bad, 4);
+    CAPTURE(bad);
+    REQUIRE_FALSE(p);
+    CHECK(cmesh::code_of(p.error()) == cmesh::errc::invalid_argument);
+  }
+}
+
+TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in range") {
+  auto a = random_plan(42, 5, 2, 30, 4);
+  auto b = random_plan(42, 5, 2, 30, 4);
+  auto c = random_plan(43, 5, 2, 30, 4);
+  CHECK(a == b);
+  CHECK(a != c);
+  REQUIRE(a.size() == 5);
+  for (size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].at_step >= 2);
+    CHECK(a[i].at_step <= 30);
+    CHECK(a[i].rank < 4);
+    if (i > 0)
+      CHECK(a[i].at_step > a[i - 1].at_step);
+  }
+  CHECK(random_plan(1, 10, 5, 6, 2).size() == 2); // only two steps to pick from
+}

@@ -1,0 +1,557 @@
+#include "actors/agent.hpp"
+
+#include "core/env.hpp"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace cmesh::actors {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr uint64_t catchup_epoch_base = uint64_t{1} << 15;
+
+bool includes(const wire::epoch_notice& n, uint32_t rank, uint64_t incarnation) {
+  for (size_t i = 0; i < n.ranks.size(); ++i)
+    if (n.ranks[i] == rank && (i >= n.incarnations.size() || n.incarnations[i] == incarnation))
+      return true;
+  return false;
+}
+
+bool has_rank(const wire::epoch_notice& n, uint32_t rank) {
+  return std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end();
+}
+
+} // namespace
+
+uint64_t catchup_epoch(uint64_t session) {
+  return catchup_epoch_base + session % catchup_epoch_base;
+}
+
+/// One joiner this rank serves.
+struct session {
+  wire::catchup_assign assign;
+  bool want_snapshot = true;  // until at_boundary copies it
+  bool end = false;           // the stream's last update is queued
+  bool broken = false;        // cut off, or failed
+  uint64_t snap_step = 0;
+  std::vector<float> params, adam_m, adam_v;
+  std::deque<std::pair<uint64_t, std::vector<float>>> queue;
+  std::unique_ptr<coll::communicator> comm; // while sending
+  std::thread thread;
+};
+using session_ptr = std::shared_ptr<session>;
+
+struct agent::impl {
+  agent_options o;
+  coordinator_client& client;
+  std::shared_ptr<coll::host_context> ctx;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+  std::optional<wire::epoch_notice> newest; // the newest non-failing epoch
+  std::optional<wire::epoch_notice> failed; // the coordinator gave up
+  std::optional<wire::catchup_assign> join; // the newest assignment as joiner
+  std::map<uint32_t, uint64_t> lost;        // rank -> the epoch it was lost in
+  uint64_t join_done = 0;                   // sessions handled as joiner up to here
+  std::unique_ptr<coll::communicator> comm; // the current epoch's
+  coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
+  uint32_t join_source = 0;
+  std::map<uint64_t, session_ptr> sessions; // as source, by session id
+  wire::worker_status status;
+  std::thread beacon;
+
+  impl(agent_options opts, coordinator_client& c, std::shared_ptr<coll::host_context> x)
+      : o(std::move(opts)), client(c), ctx(std::move(x)) {
+    status.incarnation = o.incarnation;
+  }
+
+  void on_control(const control_message& m);
+  void abort_if_left_out(); // with mu held
+  void set_status(uint8_t state, std::optional<uint64_t> step = {},
+                  std::optional<uint64_t> epoch = {}, std::optional<uint64_t> session = {});
+  void send_status();
+  void run_beacon();
+  void serve(session_ptr s);
+  caf::error receive(const wire::catchup_assign& a, train_state& st, const apply_update& apply);
+  coll::peer_status member_status(uint64_t epoch);
+};
+
+void agent::impl::set_status(uint8_t state, std::optional<uint64_t> step,
+                             std::optional<uint64_t> epoch, std::optional<uint64_t> session) {
+  {
+    std::lock_guard lk(mu);
+    status.state = state;
+    if (step)
+      status.step = *step;
+    if (epoch)
+      status.epoch = *epoch;
+    if (session)
+      status.session = *session;
+  }
+  send_status();
+}
+
+void agent::impl::send_status() {
+  wire::worker_status s;
+  {
+    std::lock_guard lk(mu);
+    s = status;
+  }
+  s.mono_ns = mono_ns();
+  // The coordinator may be gone for a while: training goes on meanwhile.
+  (void) client.send_status(s);
+}
+
+void agent::impl::run_beacon() {
+  std::unique_lock lk(mu);
+  while (!stopping) {
+    lk.unlock();
+    send_status();
+    lk.lock();
+    cv.wait_for(lk, o.beacon_interval, [&] { return stopping; });
+  }
+}
+
+/// A member of `epoch` is lost when a newer epoch left it out.
+coll::peer_status agent::impl::member_status(uint64_t epoch) {
+  return [this, epoch](uint32_t r) -> caf::error {
+    std::lock_guard lk(mu);
+    if (failed)
+      return make_error(errc::unrecoverable, failed->reason);
+    if (auto it = lost.find(r); it != lost.end() && it->second >= epoch)
+      return make_error(errc::peer_lost, fmt::format("rank {} was lost in epoch {}", r, it->second));
+    if (newest && newest->epoch > epoch && !has_rank(*newest, r))
+      return make_error(errc::peer_lost, fmt::format("epoch {} left out rank {}", newest->epoch, r));
+    return {};
+  };
+}
+
+void agent::impl::abort_if_left_out() {
+  if (failed) {
+    if (comm)
+      comm->abort(make_error(errc::unrecoverable, failed->reason));
+    if (join_comm)
+      join_comm->abort(make_error(errc::unrecoverable, failed->reason));
+    return;
+  }
+  if (comm) {
+    for (auto r : comm->members().ranks) {
+      if (auto it = lost.find(r); it != lost.end() && it->second >= comm->members().epoch) {
+        comm->abort(make_error(errc::peer_lost,
+                               fmt::format("rank {} was lost in epoch {}", r, it->second)));
+        break;
+      }
+    }
+  }
+  if (!newest)
+    return;
+  if (comm && newest->epoch > comm->members().epoch) {
+    const auto& m = comm->members();
+    for (auto r : m.ranks) {
+      bool stays = has_rank(*newest, r)
+                   && (r != o.rank || includes(*newest, o.rank, o.incarnation));
+      if (!stays) {
+        comm->abort(make_error(errc::peer_lost, fmt::format("epoch {} left out rank {} ({})",
+                                                            newest->epoch, r, newest->reason)));
+        break;
+      }
+    }
+  }
+  if (join_comm && !has_rank(*newest, join_source))
+    join_comm->abort(make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the "
+                                                             "job in epoch {}",
+                                                             join_source, newest->epoch)));
+}
+
+void agent::impl::on_control(const control_message& m) {
+  std::lock_guard lk(mu);
+  if (auto* n = std::get_if<wire::epoch_notice>(&m)) {
+    if (n->fail) {
+      failed = *n;
+    } else if (!n->lost.empty()) {
+      for (auto r : n->lost)
+        lost[r] = std::max(lost[r], n->epoch);
+    } else if (!newest || n->epoch > newest->epoch) {
+      newest = *n;
+    }
+    abort_if_left_out();
+  } else if (auto* a = std::get_if<wire::catchup_assign>(&m)) {
+    if (a->joiner == o.rank && a->joiner_incarnation == o.incarnation) {
+      if (!join || a->session > join->session) {
+        join = *a;
+        if (join_comm)
+          join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
+      }
+    } else if (a->source == o.rank && !sessions.count(a->session)) {
+      // A new session for the same joiner replaces the old one.
+      for (auto& [id, s] : sessions) {
+        if (s->assign.joiner == a->joiner && !s->broken) {
+          s->broken = true;
+          if (s->comm)
+            s->comm->abort(make_error(errc::aborted, "replaced by a newer session"));
+        }
+      }
+      auto s = std::make_shared<session>();
+      s->assign = *a;
+      sessions[a->session] = s;
+      spdlog::info("agent: rank {} is the catch-up source of rank {} (session {})", o.rank,
+                   a->joiner, a->session);
+    }
+  }
+  cv.notify_all();
+}
+
+void agent::impl::serve(session_ptr s) {
+  const auto& a = s->assign;
+  auto fail = [&](const caf::error& e) {
+    spdlog::warn("agent: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
+                 describe(e));
+    std::lock_guard lk(mu);
+    s->broken = true;
+    s->queue.clear();
+  };
+  auto sctx = coll::host_context::create(o.rank);
+  if (!sctx)
+    return fail(sctx.error());
+  auto c = coll::make_host_communicator(*sctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
+                                        client, {}, o.host);
+  if (!c)
+    return fail(c.error());
+  {
+    std::lock_guard lk(mu);
+    if (s->broken || stopping)
+      return;
+    s->comm = std::move(*c);
+  }
+  auto& comm = *s->comm;
+  auto t0 = mono_ns();
+  int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(s->params.size())};
+  caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
+  for (auto* v : {&s->params, &s->adam_m, &s->adam_v})
+    if (!e)
+      e = comm.broadcast(v->data(), v->size(), coll::dtype::float32, 0);
+  if (e)
+    return fail(e);
+  double secs = static_cast<double>(mono_ns() - t0) / 1e9;
+  double mb = 3.0 * static_cast<double>(s->params.size() * sizeof(float)) / 1e6;
+  spdlog::info("agent: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
+               "{:.2f} GB/s)",
+               a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
+  uint64_t streamed = 0;
+  for (;;) {
+    std::pair<uint64_t, std::vector<float>> item;
+    bool last = false;
+    {
+      std::unique_lock lk(mu);
+      // A step takes well under this; silence this long means training stopped.
+      if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || s->end || !s->queue.empty(); }))
+        return fail(make_error(errc::timeout, "no committed step to stream for 600 s"));
+      if (stopping || s->broken)
+        return;
+      if (!s->queue.empty()) {
+        item = std::move(s->queue.front());
+        s->queue.pop_front();
+      } else {
+        last = true;
+      }
+    }
+    if (last) {
+      int64_t end[2] = {-1, 0};
+      if (auto err = comm.broadcast(end, 2, coll::dtype::int64, 0))
+        return fail(err);
+      spdlog::info("agent: session {}: stream to rank {} ended after {} update(s)", a.session,
+                   a.joiner, streamed);
+      std::lock_guard lk(mu);
+      s->comm.reset();
+      return;
+    }
+    int64_t h[2] = {static_cast<int64_t>(item.first), static_cast<int64_t>(item.second.size())};
+    if (auto err = comm.broadcast(h, 2, coll::dtype::int64, 0))
+      return fail(err);
+    if (auto err = comm.broadcast(item.second.data(), item.second.size(), coll::dtype::float32, 0))
+      return fail(err);
+    ++streamed;
+  }
+}
+
+caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
+                                const apply_update& apply) {
+  set_status(wire::worker_status::catching_up, {}, {}, a.session);
+  auto jctx = coll::host_context::create(o.rank);
+  if (!jctx)
+    return jctx.error();
+  coll::peer_status source_status = [this](uint32_t r) -> caf::error {
+    std::lock_guard lk(mu);
+    if (newest && !has_rank(*newest, r))
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", r));
+    return {};
+  };
+  auto c = coll::make_host_communicator(*jctx, {catchup_epoch(a.session), {a.source, o.rank}},
+                                        client, source_status, o.host);
+  if (!c)
+    return c.error();
+  auto& comm = **c;
+  {
+    std::lock_guard lk(mu);
+    join_comm = &comm;
+    join_source = a.source;
+    abort_if_left_out();
+  }
+  struct clear_t {
+    impl* self;
+    ~clear_t() {
+      std::lock_guard lk(self->mu);
+      self->join_comm = nullptr;
+    }
+  } clear{this};
+  int64_t hdr[2] = {0, 0};
+  if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0))
+    return e;
+  if (hdr[0] < 0 || static_cast<size_t>(hdr[1]) != st.params.size())
+    return make_error(errc::invalid_argument,
+                      fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
+                                  hdr[1], hdr[0], st.params.size()));
+  for (auto v : {st.params, st.adam_m, st.adam_v})
+    if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0))
+      return e;
+  st.step = static_cast<uint64_t>(hdr[0]);
+  spdlog::info("agent: rank {} received the snapshot of step {} from rank {} (session {})",
+               o.rank, st.step, a.source, a.session);
+  set_status(wire::worker_status::ready, st.step);
+  std::vector<float> update(st.params.size());
+  for (;;) {
+    // The stream ends when the source enters the epoch that admits us.
+    if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0, {std::chrono::minutes(10)}))
+      return e;
+    if (hdr[0] < 0)
+      return {};
+    if (static_cast<uint64_t>(hdr[0]) != st.step || static_cast<size_t>(hdr[1]) != update.size())
+      return make_error(errc::invalid_argument,
+                        fmt::format("catch-up stream sent step {} while this rank is at step {}",
+                                    hdr[0], st.step));
+    if (auto e = comm.broadcast(update.data(), update.size(), coll::dtype::float32, 0))
+      return e;
+    apply(st.step, update);
+    ++st.step;
+    set_status(wire::worker_status::ready, st.step);
+  }
+}
+
+agent::agent(agent_options o, coordinator_client& client, std::shared_ptr<coll::host_context> ctx)
+    : impl_(std::make_unique<impl>(std::move(o), client, std::move(ctx))) {}
+
+agent::~agent() {
+  stop();
+}
+
+void agent::start() {
+  auto* I = impl_.get();
+  I->client.on_control([I](const control_message& m) { I->on_control(m); });
+  I->beacon = std::thread([I] { I->run_beacon(); });
+}
+
+void agent::stop() {
+  auto& I = *impl_;
+  std::vector<session_ptr> all;
+  {
+    std::lock_guard lk(I.mu);
+    if (I.stopping)
+      return;
+    I.stopping = true;
+    if (I.comm)
+      I.comm->abort(make_error(errc::closed, "the agent is stopping"));
+    if (I.join_comm)
+      I.join_comm->abort(make_error(errc::closed, "the agent is stopping"));
+    for (auto& [id, s] : I.sessions) {
+      all.push_back(s);
+      if (s->comm)
+        s->comm->abort(make_error(errc::closed, "the agent is stopping"));
+    }
+  }
+  I.cv.notify_all();
+  I.client.on_control({});
+  if (I.beacon.joinable())
+    I.beacon.join();
+  for (auto& s : all)
+    if (s->thread.joinable())
+      s->thread.join();
+}
+
+void agent::finished(uint64_t step) {
+  impl_->set_status(wire::worker_status::training, step);
+}
+
+uint64_t agent::newest_epoch() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->newest ? impl_->newest->epoch : 0;
+}
+
+void agent::at_boundary(const train_state& st) {
+  auto& I = *impl_;
+  std::vector<session_ptr> start;
+  {
+    std::lock_guard lk(I.mu);
+    I.status.step = st.step;
+    for (auto& [id, s] : I.sessions) {
+      if (!s->want_snapshot || s->broken)
+        continue;
+      s->want_snapshot = false;
+      s->snap_step = st.step;
+      s->params.assign(st.params.begin(), st.params.end());
+      s->adam_m.assign(st.adam_m.begin(), st.adam_m.end());
+      s->adam_v.assign(st.adam_v.begin(), st.adam_v.end());
+      start.push_back(s);
+    }
+    // Finished sessions are forgotten.
+    for (auto it = I.sessions.begin(); it != I.sessions.end();) {
+      auto& s = it->second;
+      if ((s->broken || (s->end && !s->comm && s->queue.empty())) && !s->want_snapshot
+          && s->thread.joinable() && it->first + 1024 < I.sessions.rbegin()->first) {
+        s->thread.join();
+        it = I.sessions.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& s : start) {
+    spdlog::info("agent: session {}: snapshot of step {} taken for rank {}", s->assign.session,
+                 s->snap_step, s->assign.joiner);
+    s->thread = std::thread([&I, s] { I.serve(s); });
+  }
+}
+
+void agent::committed(uint64_t k, std::span<const float> update) {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  I.status.step = k + 1;
+  for (auto& [id, s] : I.sessions) {
+    if (s->want_snapshot || s->broken || s->end)
+      continue;
+    if (s->queue.size() >= I.o.stream_max) {
+      spdlog::warn("agent: rank {} fell {} steps behind its catch-up stream; cutting it off",
+                   s->assign.joiner, s->queue.size());
+      s->broken = true;
+      s->queue.clear();
+      if (s->comm)
+        s->comm->abort(make_error(errc::queue_full, "catch-up stream overflow"));
+      continue;
+    }
+    s->queue.emplace_back(k, std::vector<float>(update.begin(), update.end()));
+  }
+  I.cv.notify_all();
+}
+
+expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::error& why,
+                                                 train_state& st, const apply_update& apply) {
+  auto& I = *impl_;
+  const bool member_before = after != 0;
+  I.set_status(why ? wire::worker_status::recovering
+               : member_before ? wire::worker_status::training
+                               : (st.step == 0 ? wire::worker_status::fresh
+                                               : wire::worker_status::ready),
+               st.step);
+  auto deadline = clock_type::now() + I.o.epoch_wait;
+  std::unique_lock lk(I.mu);
+  for (;;) {
+    auto snapshot_owed = [&] {
+      return member_before && std::any_of(I.sessions.begin(), I.sessions.end(), [](auto& kv) {
+               return kv.second->want_snapshot && !kv.second->broken;
+             });
+    };
+    I.cv.wait_until(lk, deadline, [&] {
+      return I.stopping || I.failed || snapshot_owed()
+             || (!member_before && I.join && I.join->session > I.join_done)
+             || (I.newest && I.newest->epoch > after);
+    });
+    if (!I.stopping && snapshot_owed()) {
+      // A member waiting for its next epoch is at a step boundary: it can
+      // serve a joiner now (this is how a quorum lost to several deaths at
+      // once is rebuilt from the survivors).
+      lk.unlock();
+      at_boundary(st);
+      lk.lock();
+      continue;
+    }
+    if (I.stopping)
+      return make_error(errc::closed, "the agent stopped");
+    if (I.failed)
+      return make_error(errc::unrecoverable, I.failed->reason);
+    if (I.join && I.join->session > I.join_done && !member_before) {
+      auto a = *I.join;
+      I.join_done = a.session;
+      lk.unlock();
+      auto e = I.receive(a, st, apply);
+      if (e) {
+        spdlog::warn("agent: catch-up session {} from rank {} failed: {}", a.session, a.source,
+                     describe(e));
+        // Back to square one: a fresh snapshot from a (new) source.
+        I.set_status(wire::worker_status::fresh, st.step, {}, a.session);
+      } else {
+        spdlog::info("agent: rank {} caught up to step {} (session {})", I.o.rank, st.step,
+                     a.session);
+      }
+      deadline = clock_type::now() + I.o.epoch_wait;
+      lk.lock();
+      continue;
+    }
+    if (I.newest && I.newest->epoch > after) {
+      auto n = *I.newest;
+      if (!includes(n, I.o.rank, I.o.incarnation)) {
+        if (member_before)
+          return make_error(errc::fenced,
+                            fmt::format("rank {} (incarnation {:x}) was left out of epoch {}: {}",
+                                        I.o.rank, I.o.incarnation, n.epoch, n.reason));
+        after = n.epoch; // not ours yet: wait for a catch-up or a later epoch
+        continue;
+      }
+      // Streams to joiners admitted by this epoch end here: their last
+      // update is the one committed just before the switch.
+      for (auto& [id, s] : I.sessions)
+        if (!s->broken && has_rank(n, s->assign.joiner))
+          s->end = true;
+      I.cv.notify_all();
+      lk.unlock();
+      auto c = coll::make_host_communicator(I.ctx, {n.epoch, n.ranks}, I.client,
+                                            I.member_status(n.epoch), I.o.host);
+      lk.lock();
+      if (!c) {
+        spdlog::warn("agent: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
+                     describe(c.error()));
+        after = n.epoch;
+        deadline = clock_type::now() + I.o.epoch_wait;
+        continue;
+      }
+      I.comm = std::move(*c);
+      I.abort_if_left_out(); // an epoch newer still may have come meanwhile
+      I.status.state = wire::worker_status::training;
+      I.status.epoch = n.epoch;
+      I.status.session = 0;
+      lk.unlock();
+      I.send_status();
+      spdlog::info("agent: rank {} in epoch {} ({} members) at step {}", I.o.rank, n.epoch,
+                   n.ranks.size(), st.step);
+      return I.comm.get();
+    }
+    if (clock_type::now() >= deadline)
+      return make_error(errc::timeout,
+                        fmt::format("rank {}: no epoch after {} within {} s", I.o.rank, after,
+                                    std::chrono::duration_cast<std::chrono::seconds>(I.o.epoch_wait)
+                                      .count()));
+  }
+}
+
+} // namespace cmesh::actors

@@ -1,0 +1,79 @@
+// The worker's side of supervision: the agent between a rank's trainer and
+// the coordinator.
+//
+// It beacons the rank's status to the coordinator (worker_status, every
+// beacon interval and on each change: the coordinator's heartbeat), receives
+// its pushes (epoch_notice, catchup_assign) on the client's I/O thread, and:
+//   - aborts the running communicator the moment an epoch arrives that
+//     leaves out one of its members (nobody waits for a library timeout);
+//   - hands the trainer the communicator of each epoch it is a member of
+//     (enter_epoch), built on the process's host context under the epoch's
+//     own rendezvous namespace; a rank left out of an epoch it belonged to
+//     is fenced (errc::fenced) and must restart as a new incarnation;
+//   - as a catch-up source: copies a snapshot of its state at the next step
+//     boundary (a memcpy on the trainer's thread) and sends it to the joiner
+//     from a thread of its own, then streams every committed update after
+//     it, until it switches to an epoch that includes the joiner (the end of
+//     the stream). Training does not wait for any of this. The stream is a
+//     bounded queue: a joiner that falls stream_max steps behind is cut off
+//     and asks again.
+//   - as a joiner: receives the snapshot and the stream, reports `ready`
+//     (the coordinator admits it to the next epoch), and enters that epoch
+//     when the stream ends.
+//
+// Catch-up sessions run a two-member host communicator on a host context of
+// their own (one UCP worker per session, so the trainer's worker is never
+// touched from another thread) with epoch id catchup_epoch(session), a
+// namespace that training epochs (below 2^15) never reach.
+#pragma once
+
+#include "actors/trainer.hpp"
+#include "collectives/host/host_communicator.hpp"
+#include "transport/bootstrap.hpp"
+
+#include <chrono>
+#include <memory>
+
+namespace cmesh::actors {
+
+struct agent_options {
+  uint32_t rank = 0;
+  uint64_t incarnation = 0;
+  std::chrono::milliseconds beacon_interval{100};
+  /// How long enter_epoch waits for an epoch (or a catch-up) before timeout.
+  std::chrono::milliseconds epoch_wait{120000};
+  /// Committed updates queued for one joiner before its stream is cut.
+  size_t stream_max = 64;
+  coll::host_options host;
+};
+
+/// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).
+uint64_t catchup_epoch(uint64_t session);
+
+class agent final : public supervision {
+public:
+  /// `client` and `ctx` must outlive the agent.
+  agent(agent_options o, coordinator_client& client, std::shared_ptr<coll::host_context> ctx);
+  ~agent() override;
+
+  /// Installs the control handler and starts beaconing.
+  void start();
+  /// Stops beaconing and every catch-up session; idempotent.
+  void stop();
+
+  /// The trainer has finished at `step`: beacons say so until stop().
+  void finished(uint64_t step);
+
+  expected<coll::communicator*> enter_epoch(uint64_t after, const caf::error& why,
+                                            train_state& state, const apply_update& apply) override;
+  uint64_t newest_epoch() const override;
+  void at_boundary(const train_state& state) override;
+  void committed(uint64_t k, std::span<const float> update) override;
+
+  struct impl;
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace cmesh::actors

@@ -1,0 +1,394 @@
+#include "actors/supervisor.hpp"
+
+#include "core/env.hpp"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace cmesh::actors {
+
+namespace {
+
+int64_t now_ms() {
+  return mono_ns() / 1000000;
+}
+
+constexpr int64_t long_ago = std::numeric_limits<int64_t>::min() / 4;
+
+std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms) {
+  std::vector<uint32_t> out;
+  for (auto& m : ms)
+    out.push_back(m.group);
+  return out;
+}
+
+} // namespace
+
+struct supervisor::impl {
+  /// What the supervisor knows of one rank's newest incarnation.
+  struct worker {
+    uint64_t incarnation = 0;
+    bool connected = false;
+    int64_t last_ms = long_ago;
+    bool has_status = false;
+    wire::worker_status st;
+    int64_t ready_since_ms = 0; // 0: not ready
+    uint64_t assigned_session = 0;
+    bool lost_reported = false;
+    int64_t lost_ms = 0; // when it was found dead
+  };
+
+  coordinator& coord;
+  supervisor_options o;
+  std::shared_ptr<event_log> log;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+  bool dirty = true;
+  std::map<uint32_t, worker> workers;
+  recovery::epoch current;
+  recovery::quorum_decision last;
+  int64_t waiting_since_ms = 0; // a broken epoch waiting for a quorum, since
+  std::optional<std::string> failed;
+  uint64_t next_session = 0;
+  std::optional<std::pair<uint32_t, uint32_t>> newest_catchup; // (joiner, source)
+  int64_t epoch_started_ms = 0;
+  uint64_t max_member_step = 0;
+  uint64_t epoch_base_step = 0;
+  bool first_commit_seen = true;
+  int64_t last_failure_ms = 0;
+  std::thread thread;
+
+  impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
+      : coord(c), o(std::move(opts)), log(std::move(l)) {}
+
+  bool is_member(uint32_t rank, uint64_t inc) const {
+    return std::any_of(current.members.begin(), current.members.end(),
+                       [&](auto& m) { return m.group == rank && m.incarnation == inc; });
+  }
+
+  void on_event(const worker_event& ev);
+  void run();
+  void decide(int64_t now);
+  void assign_catch_ups(int64_t now);
+  void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
+  void say(const std::string& line) {
+    if (!o.print)
+      return spdlog::info("supervisor: {}", line);
+    fmt::print("cmesh: {}\n", line);
+    std::fflush(stdout);
+  }
+};
+
+void supervisor::impl::lost(uint32_t rank, worker& w, const std::string& why, int64_t now) {
+  if (w.lost_reported)
+    return;
+  w.lost_reported = true;
+  w.lost_ms = now;
+  bool member = is_member(rank, w.incarnation);
+  if (member) {
+    last_failure_ms = now;
+    // Its peers stop waiting for it now, even if no new epoch can form yet.
+    wire::epoch_notice n;
+    n.epoch = current.id;
+    for (auto& m : current.members) {
+      n.ranks.push_back(m.group);
+      n.incarnations.push_back(m.incarnation);
+    }
+    n.reason = fmt::format("rank {} lost: {}", rank, why);
+    n.lost = {rank};
+    coord.send_control(std::nullopt, n);
+  }
+  say(fmt::format("rank {} lost{}: {}", rank, member ? "" : " (not a member)", why));
+  log->emit("worker_lost", {{"rank", uint64_t{rank}},
+                            {"incarnation", w.incarnation},
+                            {"member", member},
+                            {"reason", why}});
+}
+
+void supervisor::impl::on_event(const worker_event& ev) {
+  std::lock_guard lk(mu);
+  auto now = now_ms();
+  auto& w = workers[ev.rank];
+  switch (ev.what) {
+    case worker_event::type::registered:
+      w = worker{};
+      w.incarnation = ev.incarnation;
+      w.connected = true;
+      w.last_ms = now;
+      log->emit("registered", {{"rank", uint64_t{ev.rank}}, {"incarnation", ev.incarnation}});
+      break;
+    case worker_event::type::status:
+      if (ev.status.incarnation != w.incarnation)
+        return; // a stale process that outlived its replacement
+      w.last_ms = now;
+      if (w.lost_reported)
+        return; // silent too long: it stays out (it is fenced when it learns)
+      if (ev.status.state == wire::worker_status::ready && w.ready_since_ms == 0
+          && !is_member(ev.rank, w.incarnation)) {
+        w.ready_since_ms = now;
+        log->emit("catchup_ready", {{"rank", uint64_t{ev.rank}},
+                                    {"session", ev.status.session},
+                                    {"step", ev.status.step}});
+      } else if (ev.status.state != wire::worker_status::ready) {
+        w.ready_since_ms = 0;
+      }
+      if (!first_commit_seen && is_member(ev.rank, w.incarnation)
+          && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
+        first_commit_seen = true;
+        event_fields f{{"epoch", current.id},
+                       {"step", ev.status.step},
+                       {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
+        if (last_failure_ms != 0)
+          f.emplace_back("since_failure_ms", static_cast<int64_t>(now - last_failure_ms));
+        log->emit("first_commit", f);
+        say(fmt::format("epoch {} committed step {}, {} ms after it began{}", current.id,
+                        ev.status.step, now - epoch_started_ms,
+                        last_failure_ms != 0
+                          ? fmt::format(", {} ms after the last failure", now - last_failure_ms)
+                          : std::string()));
+      }
+      w.has_status = true;
+      w.st = ev.status;
+      if (is_member(ev.rank, w.incarnation))
+        max_member_step = std::max(max_member_step, ev.status.step);
+      break;
+    case worker_event::type::disconnected:
+      if (ev.incarnation != w.incarnation)
+        return;
+      w.connected = false;
+      lost(ev.rank, w, "disconnected", now);
+      break;
+    case worker_event::type::report:
+      return;
+  }
+  dirty = true;
+  cv.notify_all();
+}
+
+void supervisor::impl::decide(int64_t now) {
+  recovery::quorum_state qs;
+  qs.current = current;
+  qs.expected_groups = o.groups;
+  for (auto& [rank, w] : workers) {
+    if (w.incarnation == 0)
+      continue;
+    bool member = is_member(rank, w.incarnation);
+    bool silent = recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms);
+    if (member && w.connected && silent)
+      lost(rank, w, fmt::format("silent for more than {} ms", o.quorum.heartbeat_timeout_ms), now);
+    // The dead count as silent from the moment they were found dead.
+    int64_t hb = (w.connected && !w.lost_reported)
+                   ? w.last_ms
+                   : std::min(w.last_ms, w.lost_ms - o.quorum.heartbeat_timeout_ms - 1);
+    if (member) {
+      qs.participants.push_back({{rank, w.incarnation}, hb, 0});
+      continue;
+    }
+    if (!w.has_status || w.lost_reported)
+      continue;
+    bool over = o.target_step != 0 && max_member_step >= o.target_step;
+    bool joiner = (w.ready_since_ms != 0 && !over)
+                  || (current.id == 0 && w.st.state == wire::worker_status::fresh && w.st.step == 0);
+    if (joiner)
+      qs.participants.push_back(
+        {{rank, w.incarnation}, hb, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms});
+  }
+  auto d = recovery::compute_quorum(qs, now, o.quorum);
+  if (d.kind == recovery::decision_kind::wait && current.id != 0) {
+    if (waiting_since_ms == 0)
+      waiting_since_ms = now;
+    if (now - waiting_since_ms > o.quorum_wait_ms) {
+      d.kind = recovery::decision_kind::fail;
+      d.reason = fmt::format("no quorum for {} ms ({}); restart from checkpoint needed",
+                             o.quorum_wait_ms, d.reason);
+    }
+  } else {
+    waiting_since_ms = 0;
+  }
+  bool changed_reason = recovery::reason_changed(last, d);
+  switch (d.kind) {
+    case recovery::decision_kind::keep:
+      break;
+    case recovery::decision_kind::wait:
+      if (changed_reason)
+        log->emit("waiting", {{"epoch", current.id}, {"reason", d.reason}});
+      break;
+    case recovery::decision_kind::fail:
+      if (!failed) {
+        failed = d.reason;
+        log->emit("failed", {{"epoch", current.id}, {"reason", d.reason}});
+        say("no epoch can form: " + d.reason);
+        wire::epoch_notice n;
+        n.epoch = current.id;
+        n.fail = true;
+        n.reason = d.reason;
+        coord.send_control(std::nullopt, n);
+      }
+      break;
+    case recovery::decision_kind::new_epoch: {
+      current = d.epoch;
+      wire::epoch_notice n;
+      n.epoch = current.id;
+      n.reason = d.reason;
+      uint64_t base = 0;
+      for (auto& m : current.members) {
+        n.ranks.push_back(m.group);
+        n.incarnations.push_back(m.incarnation);
+        auto& w = workers[m.group];
+        base = std::max(base, w.st.step);
+      }
+      coord.send_control(std::nullopt, n);
+      epoch_started_ms = now;
+      epoch_base_step = base;
+      first_commit_seen = false;
+      log->emit("epoch", {{"epoch", current.id},
+                          {"members", n.ranks},
+                          {"joined", ranks_of(d.joined)},
+                          {"left", ranks_of(d.left)},
+                          {"step", base},
+                          {"reason", d.reason}});
+      for (auto& m : d.joined)
+        if (workers[m.group].ready_since_ms != 0)
+          log->emit("catchup_end", {{"rank", uint64_t{m.group}},
+                                    {"epoch", current.id},
+                                    {"session", workers[m.group].st.session}});
+      say(fmt::format("epoch {} {} from step {}: {}", current.id,
+                      recovery::to_string(current.members), base, d.reason));
+      break;
+    }
+  }
+  last = std::move(d);
+}
+
+void supervisor::impl::assign_catch_ups(int64_t now) {
+  if (current.id == 0 || failed)
+    return;
+  std::vector<uint32_t> healthy;
+  for (auto& m : current.members) {
+    auto& w = workers[m.group];
+    if (w.connected && !w.lost_reported && w.incarnation == m.incarnation
+        && !recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
+      healthy.push_back(m.group);
+  }
+  if (healthy.empty())
+    return;
+  for (auto& [rank, w] : workers) {
+    if (!w.connected || w.lost_reported || !w.has_status || is_member(rank, w.incarnation))
+      continue;
+    // Fresh, and it has seen (and failed) our latest assignment, or had none.
+    if (w.st.state != wire::worker_status::fresh || w.st.session < w.assigned_session)
+      continue;
+    wire::catchup_assign a;
+    a.session = ++next_session;
+    a.joiner = rank;
+    a.joiner_incarnation = w.incarnation;
+    a.source = healthy[a.session % healthy.size()];
+    w.assigned_session = a.session;
+    coord.send_control(a.joiner, a);
+    coord.send_control(a.source, a);
+    newest_catchup = std::pair{rank, a.source};
+    say(fmt::format("rank {} catches up from rank {} (session {})", rank, a.source, a.session));
+    log->emit("catchup_start", {{"rank", uint64_t{rank}},
+                                {"source", uint64_t{a.source}},
+                                {"session", a.session}});
+  }
+}
+
+void supervisor::impl::run() {
+  std::unique_lock lk(mu);
+  while (!stopping) {
+    cv.wait_for(lk, o.tick, [&] { return stopping || dirty; });
+    if (stopping)
+      break;
+    dirty = false;
+    auto now = now_ms();
+    decide(now);
+    assign_catch_ups(now);
+  }
+}
+
+supervisor::supervisor(coordinator& coord, supervisor_options o, std::shared_ptr<event_log> log)
+    : impl_(std::make_unique<impl>(coord, std::move(o), std::move(log))) {
+  if (auto e = recovery::validate(impl_->o.quorum))
+    throw std::invalid_argument(describe(e));
+}
+
+supervisor::~supervisor() {
+  stop();
+}
+
+void supervisor::start() {
+  auto* I = impl_.get();
+  I->coord.on_event([I](const worker_event& ev) { I->on_event(ev); });
+  I->thread = std::thread([I] { I->run(); });
+}
+
+void supervisor::stop() {
+  {
+    std::lock_guard lk(impl_->mu);
+    if (impl_->stopping)
+      return;
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  impl_->coord.on_event({});
+  if (impl_->thread.joinable())
+    impl_->thread.join();
+}
+
+std::optional<std::string> supervisor::failure() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->failed;
+}
+
+std::vector<uint32_t> supervisor::members() const {
+  std::lock_guard lk(impl_->mu);
+  return ranks_of(impl_->current.members);
+}
+
+uint64_t supervisor::epoch() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->current.id;
+}
+
+supervisor::view supervisor::snapshot() const {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  view v;
+  v.epoch = I.current.id;
+  v.max_member_step = I.max_member_step;
+  auto now = now_ms();
+  for (auto& [rank, w] : I.workers) {
+    rank_view r;
+    r.rank = rank;
+    r.incarnation = w.incarnation;
+    r.member = I.is_member(rank, w.incarnation);
+    r.live = w.connected && !w.lost_reported
+             && !recovery::heartbeat_expired(w.last_ms, now, I.o.quorum.heartbeat_timeout_ms);
+    r.state = w.st.state;
+    r.step = w.st.step;
+    v.ranks.push_back(r);
+  }
+  if (I.newest_catchup) {
+    auto [joiner, source] = *I.newest_catchup;
+    auto it = I.workers.find(joiner);
+    if (it != I.workers.end() && !I.is_member(joiner, it->second.incarnation))
+      v.catchup_source = source;
+  }
+  return v;
+}
+
+void supervisor::note(std::string_view event, const event_fields& fields) {
+  impl_->log->emit(event, fields);
+}
+
+} // namespace cmesh::actors

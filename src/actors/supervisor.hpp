@@ -1,0 +1,95 @@
+// The coordinator's supervisor: decides the epochs and pushes them.
+//
+// It listens to the coordinator's worker events (registrations, status
+// beacons, disconnects) and, on every change and every tick, asks
+// recovery::compute_quorum what the next epoch is, with the replica groups
+// as members (one rank per group in this layout, so group id = rank):
+//   - a member is live while its connection is open and its beacons keep
+//     coming (heartbeat_timeout_ms of silence is death: a SIGSTOPped rank);
+//     a closed connection (SIGKILL) is death at once;
+//   - a non-member counts as a joiner only once it is `ready` (caught up and
+//     following its source's stream), or, before the first epoch, `fresh`;
+//   - a new epoch is pushed at once to every connected worker
+//     (epoch_notice); a `fail` decision is pushed too, and failure() says
+//     why (every group dead, or too few left: a restart from a checkpoint
+//     is needed).
+// Catch-up: a restarted rank (non-member, `fresh` after the first epoch) is
+// given a source among the live members, rotating over them session by
+// session, and both are sent a catchup_assign. A joiner whose session
+// failed reports `fresh` with that session again and gets a new one.
+//
+// Every failure, epoch change, catch-up start and end, and the first commit
+// of each epoch goes to the event log (events.hpp).
+#pragma once
+
+#include "actors/events.hpp"
+#include "recovery/health.hpp"
+#include "recovery/quorum.hpp"
+#include "transport/bootstrap.hpp"
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cmesh::actors {
+
+struct supervisor_options {
+  uint32_t groups = 1; // replica groups R (= ranks in this layout)
+  /// The run's last step: once a member reached it, no joiner is admitted.
+  uint64_t target_step = 0;
+  recovery::quorum_options quorum{1, 1000, 1500};
+  std::chrono::milliseconds tick{20};
+  /// A broken epoch that cannot be replaced for this long (no quorum, and
+  /// none formed by returning groups) fails the job: restart from checkpoint.
+  int64_t quorum_wait_ms = 120000;
+  /// Print a line on stdout for each loss, epoch, catch-up and first commit.
+  bool print = false;
+};
+
+class supervisor {
+public:
+  /// Hooks into `coord`'s events; `coord` must outlive it.
+  supervisor(coordinator& coord, supervisor_options o, std::shared_ptr<event_log> log);
+  ~supervisor();
+
+  void start();
+  /// Stops the decision thread; idempotent.
+  void stop();
+
+  /// The reason of a `fail` decision, once one was made.
+  std::optional<std::string> failure() const;
+
+  /// The ranks of the current epoch (empty before the first one).
+  std::vector<uint32_t> members() const;
+  uint64_t epoch() const;
+
+  /// What the supervisor knows, for the launcher (job end, chaos triggers).
+  struct rank_view {
+    uint32_t rank = 0;
+    uint64_t incarnation = 0;
+    bool member = false;
+    bool live = false;
+    uint8_t state = 0; // wire::worker_status::state_t
+    uint64_t step = 0;
+  };
+  struct view {
+    uint64_t epoch = 0;
+    std::vector<rank_view> ranks;
+    uint64_t max_member_step = 0;
+    /// The source of the newest catch-up whose joiner is not a member yet.
+    std::optional<uint32_t> catchup_source;
+  };
+  view snapshot() const;
+
+  /// Writes an event of the caller's (the launcher's restarts) to the same log.
+  void note(std::string_view event, const event_fields& fields);
+
+  struct impl;
+
+private:
+  std::unique_ptr<impl> impl_;
+};
+
+} // namespace cmesh::actors
