@@ -65,10 +65,12 @@ struct agent::impl {
   std::optional<wire::epoch_notice> failed; // the coordinator gave up
   std::optional<wire::catchup_assign> join; // the newest assignment as joiner
   std::map<uint32_t, uint64_t> lost;        // rank -> the epoch it was lost in
+  std::map<uint32_t, uint64_t> lost_count;  // rank -> losses heard of (any incarnation)
   uint64_t join_done = 0;                   // sessions handled as joiner up to here
   std::unique_ptr<coll::communicator> comm; // the current epoch's
   coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
   uint32_t join_source = 0;
+  uint64_t join_losses_before = 0;          // lost_count[join_source] when it began
   std::map<uint64_t, session_ptr> sessions; // as source, by session id
   wire::worker_status status;
   std::thread beacon;
@@ -156,6 +158,10 @@ void agent::impl::abort_if_left_out() {
       }
     }
   }
+  if (join_comm && lost_count[join_source] > join_losses_before) {
+    join_comm->abort(make_error(errc::peer_lost,
+                                fmt::format("catch-up source rank {} was lost", join_source)));
+  }
   if (!newest)
     return;
   if (comm && newest->epoch > comm->members().epoch) {
@@ -182,8 +188,13 @@ void agent::impl::on_control(const control_message& m) {
     if (n->fail) {
       failed = *n;
     } else if (!n->lost.empty()) {
-      for (auto r : n->lost)
+      for (auto r : n->lost) {
         lost[r] = std::max(lost[r], n->epoch);
+        ++lost_count[r];
+        if (join_comm && r == join_source)
+          join_comm->abort(make_error(errc::peer_lost,
+                                      fmt::format("catch-up source rank {} was lost", r)));
+      }
     } else if (!newest || n->epoch > newest->epoch) {
       newest = *n;
     }
@@ -293,8 +304,15 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   auto jctx = coll::host_context::create(o.rank);
   if (!jctx)
     return jctx.error();
-  coll::peer_status source_status = [this](uint32_t r) -> caf::error {
+  uint64_t losses_before = 0;
+  {
     std::lock_guard lk(mu);
+    losses_before = lost_count[a.source];
+  }
+  coll::peer_status source_status = [this, losses_before](uint32_t r) -> caf::error {
+    std::lock_guard lk(mu);
+    if (lost_count[r] > losses_before)
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", r));
     if (newest && !has_rank(*newest, r))
       return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", r));
     return {};
@@ -308,6 +326,7 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
     std::lock_guard lk(mu);
     join_comm = &comm;
     join_source = a.source;
+    join_losses_before = losses_before;
     abort_if_left_out();
   }
   struct clear_t {

@@ -9,6 +9,7 @@
 
 #include <caf/all.hpp>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <future>
 
@@ -102,9 +103,26 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
     actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *sup);
     done->set_value(t.run());
   });
-  if (fut.wait_for(timeout) != std::future_status::ready) {
-    agent.stop(); // aborts the running collective
-    fut.wait();
+  // While it runs, the job may end (the coordinator's shutdown: the others
+  // finished, or the job failed) or time out: either stops the agent, which
+  // aborts whatever the trainer waits on.
+  auto give_up = std::chrono::steady_clock::now() + timeout;
+  while (fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
+    auto sd = j.coordinator.wait_shutdown(std::chrono::milliseconds(0));
+    bool ended = static_cast<bool>(sd) || std::chrono::steady_clock::now() > give_up;
+    if (ended) {
+      agent.stop();
+      fut.wait();
+      if (sd) {
+        auto r = fut.get();
+        // Finished just in time, or cut short by the end of the job.
+        if (!r)
+          spdlog::info("rank {}: the job ended first ({}): {}", rank, sd->reason,
+                       describe(r.error()));
+        return sd->exit_code;
+      }
+      break;
+    }
   }
   auto result = fut.get();
   if (!result) {

@@ -1,0 +1,215 @@
+// Supervision and recovery end to end: real `cmesh launch` jobs, real
+// SIGKILL / SIGSTOP from the launcher's chaos plan, the event log read back.
+//
+// The proof that no step is lost or applied twice: in exact mode every run
+// with kills ends with final weights bit-identical to a run without them.
+#include "node_harness.hpp"
+
+#include <fstream>
+#include <regex>
+#include <set>
+
+using namespace cmesh;
+using namespace cmesh::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int steps = 60;
+
+struct event {
+  std::string name;
+  std::string line;
+  std::string field(const std::string& key) const {
+    std::smatch m;
+    std::regex re("\"" + key + "\":(\"[^\"]*\"|\\[[^\\]]*\\]|[-0-9.a-z]+)");
+    return std::regex_search(line, m, re) ? m[1].str() : std::string{};
+  }
+  int64_t num(const std::string& key) const {
+    auto f = field(key);
+    return f.empty() ? -1 : std::stoll(f);
+  }
+};
+
+std::vector<event> read_events(const std::string& path) {
+  std::vector<event> out;
+  std::ifstream in(path);
+  std::string line;
+  std::regex re("\"event\":\"([a-z_]+)\"");
+  while (std::getline(in, line)) {
+    std::smatch m;
+    REQUIRE_MESSAGE(std::regex_search(line, m, re), "not an event line: " << line);
+    REQUIRE(line.front() == '{');
+    REQUIRE(line.back() == '}');
+    out.push_back({m[1].str(), line});
+  }
+  return out;
+}
+
+/// Index of the first event at or after `from` named `name` for which
+/// `pred` holds, or -1.
+template <class Pred>
+int find_event(const std::vector<event>& ev, size_t from, const std::string& name, Pred pred) {
+  for (size_t i = from; i < ev.size(); ++i)
+    if (ev[i].name == name && pred(ev[i]))
+      return static_cast<int>(i);
+  return -1;
+}
+
+std::vector<std::string> weights_of(const std::string& out) {
+  std::vector<std::string> w;
+  std::regex re("done \\(steps=([0-9]+) .*weights=([0-9a-f]{16})\\)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+       ++it) {
+    CHECK((*it)[1].str() == std::to_string(steps));
+    w.push_back((*it)[2].str());
+  }
+  return w;
+}
+
+struct job {
+  run_result r;
+  std::vector<event> events;
+};
+
+job launch(const std::string& args) {
+  auto path = "/tmp/cmesh_recovery_" + std::to_string(getpid()) + ".jsonl";
+  std::remove(path.c_str());
+  job j;
+  j.r = run_cmesh("launch --exact --steps " + std::to_string(steps) + " --log-every 20 --events "
+                    + path + " " + args,
+                  {}, 300s);
+  j.events = read_events(path);
+  std::remove(path.c_str());
+  return j;
+}
+
+/// The weights of the run without failures (exact mode: any layout).
+const std::string& reference_weights() {
+  static std::string w = [] {
+    auto j = launch("-n 1");
+    INFO(j.r.output);
+    REQUIRE(j.r.exit_code == 0);
+    auto ws = weights_of(j.r.output);
+    REQUIRE(ws.size() == 1);
+    return ws[0];
+  }();
+  return w;
+}
+
+void check_identical(const job& j, size_t ranks_done) {
+  auto ws = weights_of(j.r.output);
+  CHECK(ws.size() == ranks_done);
+  for (auto& w : ws)
+    CHECK(w == reference_weights());
+}
+
+} // namespace
+
+TEST_CASE("SIGKILL a rank: the survivors go on, the restarted rank catches up and rejoins") {
+  auto j = launch("-n 3 --restart-delay-ms 200 --chaos kill@5:1");
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  auto& ev = j.events;
+  // The sequence: chaos kill -> rank 1 lost -> an epoch without it -> the
+  // survivors' first commit -> restart -> catch-up -> an epoch with it.
+  int kill = find_event(ev, 0, "chaos", [](auto& e) { return e.field("signal") == "\"SIGKILL\""; });
+  REQUIRE(kill >= 0);
+  int lost = find_event(ev, kill, "worker_lost", [](auto& e) {
+    return e.num("rank") == 1 && e.field("member") == "true";
+  });
+  REQUIRE(lost >= 0);
+  int shrink = find_event(ev, lost, "epoch", [](auto& e) { return e.field("left") == "[1]"; });
+  REQUIRE(shrink >= 0);
+  CHECK(ev[shrink].field("members") == "[0,2]");
+  int commit = find_event(ev, shrink, "first_commit", [](auto&) { return true; });
+  REQUIRE(commit >= 0);
+  auto since_failure = ev[commit].num("since_failure_ms");
+  MESSAGE("kill -> survivors' next commit: " << since_failure << " ms");
+  CHECK(since_failure >= 0);
+  CHECK(since_failure < 10000); // a bound that catches hangs, not a timing goal
+  int start = find_event(ev, shrink, "catchup_start", [](auto& e) { return e.num("rank") == 1; });
+  REQUIRE(start >= 0);
+  int ready = find_event(ev, start, "catchup_ready", [](auto& e) { return e.num("rank") == 1; });
+  REQUIRE(ready >= 0);
+  int grow = find_event(ev, ready, "epoch", [](auto& e) { return e.field("joined") == "[1]"; });
+  REQUIRE(grow >= 0);
+  CHECK(ev[grow].field("members") == "[0,1,2]");
+  CHECK(find_event(ev, grow, "catchup_end", [](auto& e) { return e.num("rank") == 1; }) >= 0);
+  // Exactly once: the final weights of all three equal the run without kills.
+  check_identical(j, 3);
+}
+
+TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights bit-identical") {
+  auto seed = test_seed();
+  MESSAGE("chaos seed " << seed << " (CMESH_SEED=" << seed << " replays it)");
+  auto j = launch("-n 3 --restart-delay-ms 100 --max-restarts 20 --chaos kill@4:1,kill-source@5 "
+                  "--chaos-kills 2 --chaos-seed "
+                  + std::to_string(seed));
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  int source_kill = find_event(j.events, 0, "chaos", [](auto& e) {
+    return e.field("signal") == "\"SIGKILL (catch-up source)\"";
+  });
+  CHECK(source_kill >= 0);
+  size_t kills = 0;
+  for (auto& e : j.events)
+    kills += e.name == "chaos" ? 1 : 0;
+  MESSAGE(kills << " kills");
+  CHECK(kills >= 2);
+  auto ws = weights_of(j.r.output);
+  REQUIRE(!ws.empty());
+  for (auto& w : ws)
+    CHECK(w == reference_weights());
+}
+
+TEST_CASE("SIGSTOP past the heartbeat bound: treated as failed, fenced after SIGCONT") {
+  auto j = launch("-n 3 --restart-delay-ms 100 --heartbeat-timeout-ms 800 --chaos stop@5:2:2500");
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  auto& ev = j.events;
+  int lost = find_event(ev, 0, "worker_lost", [](auto& e) {
+    return e.num("rank") == 2 && e.field("reason").find("silent") != std::string::npos;
+  });
+  REQUIRE(lost >= 0);
+  int shrink = find_event(ev, lost, "epoch", [](auto& e) { return e.field("left") == "[2]"; });
+  REQUIRE(shrink >= 0);
+  // After SIGCONT it learns it was left out and exits fenced; it never
+  // committed a step of the epoch it missed, and comes back as a new
+  // incarnation that catches up.
+  CHECK(j.r.output.find("rank 2 fenced") != std::string::npos);
+  int exit = find_event(ev, shrink, "worker_exit", [](auto& e) {
+    return e.num("rank") == 2 && e.field("status").find("fenced") != std::string::npos;
+  });
+  REQUIRE(exit >= 0);
+  CHECK(find_event(ev, exit, "epoch", [](auto& e) { return e.field("joined") == "[2]"; }) >= 0);
+  check_identical(j, 3);
+}
+
+TEST_CASE("every group dead, or too many at once: a clear error, nothing committed after") {
+  SUBCASE("every group dead") {
+    auto j = launch("-n 2 --max-restarts 0 --chaos kill@5:0,kill@5:1");
+    INFO(j.r.output);
+    CHECK(j.r.exit_code == 1);
+    CHECK(j.r.output.find("restart from checkpoint needed") != std::string::npos);
+    CHECK(weights_of(j.r.output).empty());
+    CHECK(find_event(j.events, 0, "failed", [](auto&) { return true; }) >= 0);
+  }
+  SUBCASE("two of three groups dead at once, none restarted") {
+    auto j = launch("-n 3 --max-restarts 0 --quorum-wait-ms 1500 --chaos kill@5:1,kill@5:2");
+    INFO(j.r.output);
+    CHECK(j.r.exit_code == 1);
+    CHECK(j.r.output.find("restart from checkpoint needed") != std::string::npos);
+    // The survivor never commits a step alone (a minority must not go on).
+    CHECK(weights_of(j.r.output).empty());
+    int failed = find_event(j.events, 0, "failed", [](auto&) { return true; });
+    REQUIRE(failed >= 0);
+    CHECK(find_event(j.events, 0, "epoch", [](auto& e) { return e.field("members") == "[0]"; }) < 0);
+  }
+  SUBCASE("two of three dead at once, restarted: rebuilt from the survivor") {
+    auto j = launch("-n 3 --restart-delay-ms 100 --chaos kill@5:1,kill@5:2");
+    INFO(j.r.output);
+    REQUIRE(j.r.exit_code == 0);
+    check_identical(j, 3);
+  }
+}
