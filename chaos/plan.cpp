@@ -40,7 +40,8 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
     auto bad = [&](const std::string& why) {
       return make_error(errc::invalid_argument,
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
-                                    "stop@STEP:RANK:MS, kill-source@STEP)",
+                                    "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS, "
+                                    "kill-source@STEP)",
                                     item, why));
     };
     auto at = item.find('@');
@@ -51,6 +52,10 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
     action a;
     if (!number(args[0], a.at_step))
       return bad("the step is not a number");
+    if (verb == "kill" && !args.empty() && args.size() == 2 && args[1].ends_with('?')) {
+      a.survivable = true;
+      args[1].remove_suffix(1);
+    }
     if (verb == "kill" || verb == "stop") {
       a.kind = verb == "kill" ? action_kind::kill : action_kind::stop;
       size_t want = a.kind == action_kind::kill ? 2 : 3;
@@ -89,7 +94,7 @@ std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step
   while (steps.size() < kills)
     steps.insert(first_step + draw() % span);
   for (auto s : steps)
-    plan.push_back({action_kind::kill, s, static_cast<uint32_t>(draw() % world_size), 0});
+    plan.push_back({action_kind::kill, s, static_cast<uint32_t>(draw() % world_size), 0, true});
   return plan;
 }
 
@@ -99,7 +104,9 @@ std::string to_string(const std::vector<action>& plan) {
     if (!out.empty())
       out += ',';
     switch (a.kind) {
-      case action_kind::kill: out += fmt::format("kill@{}:{}", a.at_step, a.rank); break;
+      case action_kind::kill:
+        out += fmt::format("kill@{}:{}{}", a.at_step, a.rank, a.survivable ? "?" : "");
+        break;
       case action_kind::stop:
         out += fmt::format("stop@{}:{}:{}", a.at_step, a.rank, a.stop_ms);
         break;

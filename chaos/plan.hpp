@@ -3,6 +3,7 @@
 //
 // Text form, comma-separated actions:
 //   kill@S:R           SIGKILL rank R once the live members committed step S
+//   kill@S:R?          the same, skipped if R is then the last live member
 //   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it
@@ -27,6 +28,9 @@ struct action {
   uint64_t at_step = 0;
   uint32_t rank = 0;   // kill, stop
   int64_t stop_ms = 0; // stop
+  /// Survivable only: skipped when its target is the last live member (the
+  /// random kills are; a written plan means what it says).
+  bool survivable = false;
   bool operator==(const action&) const = default;
 };
 
@@ -34,9 +38,9 @@ struct action {
 /// invalid_argument naming the bad action.
 expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_size);
 
-/// `kills` SIGKILLs at distinct steps drawn from [first_step, last_step],
-/// each of a rank drawn from [0, world_size), sorted by step. Deterministic
-/// in its arguments.
+/// `kills` survivable SIGKILLs at distinct steps drawn from [first_step,
+/// last_step], each of a rank drawn from [0, world_size), sorted by step.
+/// Deterministic in its arguments.
 std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
                                 uint64_t last_step, uint32_t world_size);
 

@@ -45,4 +45,9 @@ TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in r
       CHECK(a[i].at_step > a[i - 1].at_step);
   }
   CHECK(random_plan(1, 10, 5, 6, 2).size() == 2); // only two steps to pick from
+  // Random kills are survivable, and say so in the text form.
+  CHECK(a[0].survivable);
+  auto back = parse_plan(to_string(a), 4);
+  REQUIRE(back);
+  CHECK(*back == a);
 }

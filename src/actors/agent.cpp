@@ -64,6 +64,7 @@ struct agent::impl {
   std::optional<wire::epoch_notice> newest; // the newest non-failing epoch
   std::optional<wire::epoch_notice> failed; // the coordinator gave up
   std::optional<wire::catchup_assign> join; // the newest assignment as joiner
+  uint64_t join_source_losses = 0;          // lost_count[join->source] when it came
   std::map<uint32_t, uint64_t> lost;        // rank -> the epoch it was lost in
   std::map<uint32_t, uint64_t> lost_count;  // rank -> losses heard of (any incarnation)
   uint64_t join_done = 0;                   // sessions handled as joiner up to here
@@ -131,6 +132,8 @@ void agent::impl::run_beacon() {
 coll::peer_status agent::impl::member_status(uint64_t epoch) {
   return [this, epoch](uint32_t r) -> caf::error {
     std::lock_guard lk(mu);
+    if (stopping)
+      return make_error(errc::closed, "the agent is stopping");
     if (failed)
       return make_error(errc::unrecoverable, failed->reason);
     if (auto it = lost.find(r); it != lost.end() && it->second >= epoch)
@@ -203,6 +206,7 @@ void agent::impl::on_control(const control_message& m) {
     if (a->joiner == o.rank && a->joiner_incarnation == o.incarnation) {
       if (!join || a->session > join->session) {
         join = *a;
+        join_source_losses = lost_count[a->source];
         if (join_comm)
           join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
       }
@@ -304,13 +308,16 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   auto jctx = coll::host_context::create(o.rank);
   if (!jctx)
     return jctx.error();
+  // Losses of the source heard of since the assignment came end the session.
   uint64_t losses_before = 0;
   {
     std::lock_guard lk(mu);
-    losses_before = lost_count[a.source];
+    losses_before = join && join->session == a.session ? join_source_losses : lost_count[a.source];
   }
   coll::peer_status source_status = [this, losses_before](uint32_t r) -> caf::error {
     std::lock_guard lk(mu);
+    if (stopping)
+      return make_error(errc::closed, "the agent is stopping");
     if (lost_count[r] > losses_before)
       return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", r));
     if (newest && !has_rank(*newest, r))

@@ -201,6 +201,8 @@ void supervisor::impl::decide(int64_t now) {
     if (joiner)
       qs.participants.push_back(
         {{rank, w.incarnation}, hb, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms});
+    else if (w.connected && !silent)
+      ++qs.heard_not_ready; // catching up: heard from, not eligible yet
   }
   auto d = recovery::compute_quorum(qs, now, o.quorum);
   if (d.kind == recovery::decision_kind::wait && current.id != 0) {

@@ -39,7 +39,7 @@ struct supervisor_options {
   uint32_t groups = 1; // replica groups R (= ranks in this layout)
   /// The run's last step: once a member reached it, no joiner is admitted.
   uint64_t target_step = 0;
-  recovery::quorum_options quorum{1, 1000, 1500};
+  recovery::quorum_options quorum{1, 500, 1500};
   std::chrono::milliseconds tick{20};
   /// A broken epoch that cannot be replaced for this long (no quorum, and
   /// none formed by returning groups) fails the job: restart from checkpoint.

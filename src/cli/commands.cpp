@@ -367,9 +367,11 @@ int run_launch(const job_options& job) {
     std::vector<bool> exited_ok(job.world_size, false);
     std::vector<std::pair<clock::time_point, uint32_t>> to_continue; // SIGCONT due
     size_t next_action = 0;
+    std::vector<bool> signalled_down(job.world_size, false); // killed or stopped by chaos
     auto signal_rank = [&](uint32_t r, int sig, const char* name, uint64_t step) {
       if (!workers[r].running())
         return;
+      signalled_down[r] = sig != SIGCONT;
       fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
                  workers[r].pid(), step, secs_since_start());
       std::fflush(stdout);
@@ -389,7 +391,16 @@ int run_launch(const job_options& job) {
             break; // waits for a catch-up to run
           signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill) {
-          signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
+          size_t others_live = 0;
+          for (auto& r : v.ranks)
+            others_live +=
+              r.member && r.live && r.rank != a.rank && !signalled_down[r.rank] ? 1 : 0;
+          if (a.survivable && others_live == 0)
+            fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: it is the last live "
+                       "member\n",
+                       a.rank, v.max_member_step);
+          else
+            signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
         } else {
           signal_rank(a.rank, SIGSTOP, "SIGSTOP", v.max_member_step);
           to_continue.emplace_back(now + std::chrono::milliseconds(a.stop_ms), a.rank);
@@ -414,6 +425,7 @@ int run_launch(const job_options& job) {
                       restarts[r], job.supervise.max_restarts, secs_since_start());
           std::fflush(stdout);
           sup->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
+          signalled_down[r] = false;
           if (!start_worker(r))
             return "cannot restart a worker";
         }

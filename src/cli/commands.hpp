@@ -13,7 +13,7 @@ namespace cmesh::cli {
 struct supervise_flags {
   std::string events;               // JSON-lines event log ("-": stdout)
   int64_t heartbeat_timeout_ms = 1500;
-  int64_t join_window_ms = 1000;
+  int64_t join_window_ms = 500;
   uint32_t min_replicas = 1;
   int64_t quorum_wait_ms = 120000;  // a broken epoch without quorum this long fails the job
   int64_t restart_delay_ms = 1000;  // launch: before a dead worker is restarted

@@ -169,10 +169,9 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
   std::vector<member> all = survivors;
   all.insert(all.end(), joiner_ids.begin(), joiner_ids.end());
   std::sort(all.begin(), all.end());
-  std::set<group_id> known_groups = member_groups;
-  for (const auto& j : joiner_ids)
-    known_groups.insert(j.group);
-  size_t known = known_groups.size();
+  // The majority is over the groups heard from: the live ones and those
+  // still catching up (before the first epoch: at least the job's count).
+  size_t known = all.size() + state.heard_not_ready;
   if (cur.members.empty())
     known = std::max<size_t>(known, state.expected_groups);
 
@@ -218,10 +217,10 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
           return finish(decision_kind::wait, "no epoch yet: " + window);
         return finish(decision_kind::keep, "epoch " + std::to_string(cur.id) + " kept: " + window);
       }
-      if (survivors.size() >= o.min_replicas && 2 * survivors.size() > cur.members.size())
+      if (survivors.size() >= o.min_replicas && 2 * survivors.size() > known)
         return form(survivors, window);
       return finish(decision_kind::wait, std::to_string(survivors.size()) + " of " +
-                                             groups(cur.members.size()) + " survive" + lost_text +
+                                             groups(known) + " heard from survive" + lost_text +
                                              "; " + window);
     }
   }

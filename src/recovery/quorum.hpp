@@ -19,9 +19,13 @@
 //     new incarnation of a member group.
 //   Incarnations older than the epoch's member of the same group are stale
 //   and ignored.
-// known = the groups of the current epoch plus the joiners' groups (for the
-// first epoch, at least expected_groups when that is set); live = survivors
-// plus joiners.
+// live = survivors plus joiners; known = the groups heard from: live plus
+// heard_not_ready (groups heartbeating that are still catching up), and for
+// the first epoch at least expected_groups when that is set. The dead do not
+// count: the survivors of a failure go on as long as they are more than half
+// of the groups still heard from (and at least min_replicas); the
+// coordinator is the one decider and fences whoever it no longer hears, so
+// a silent group cannot form an epoch of its own.
 //
 // Rules, in order:
 //   1. nothing lost and nobody joining: KEEP (the fast path; no waiting).
@@ -31,8 +35,8 @@
 //   3. live < min_replicas: WAIT while somebody is joining (more may come),
 //      otherwise FAIL: fewer than min_replicas groups can be reached and
 //      none is on its way: restart from checkpoint needed.
-//   4. 2 * live <= known: WAIT (no majority: a minority must not go on alone,
-//      split-brain guard).
+//   4. 2 * live <= known: WAIT (no majority of the groups heard from: a
+//      minority must not go on alone while the rest are on their way back).
 //   5. the join window: joiners are admitted together once join_window_ms
 //      have passed since the earliest pending join (or at once when every
 //      expected group is live), so several groups join in one epoch. While
@@ -40,8 +44,8 @@
 //        - nothing lost: KEEP the current epoch (it still trains), the
 //          joiners are pending;
 //        - members lost and the survivors alone meet rules 3 and 4 (against
-//          the current epoch's size): NEW EPOCH of the survivors now (do not
-//          stall training), the joiners stay pending;
+//          every group heard from, joiners included): NEW EPOCH of the
+//          survivors now (do not stall training), the joiners stay pending;
 //        - otherwise WAIT for the window.
 //      retry_at_ms says when the window closes.
 //   6. otherwise NEW EPOCH: id + 1, the live groups sorted by group id.
@@ -85,6 +89,9 @@ struct quorum_state {
   /// join window early once every expected group is live, and is the
   /// majority's denominator for the first epoch.
   uint32_t expected_groups = 0;
+  /// Groups heard from (heartbeating) that cannot join yet: restarted
+  /// groups still catching up. They count in the majority's denominator.
+  uint32_t heard_not_ready = 0;
 };
 
 struct quorum_options {

@@ -154,23 +154,35 @@ TEST_CASE("quorum: the first epoch forms from the joiners") {
   CHECK(all.epoch == make_epoch(1, {{0, 1}, {1, 1}, {2, 1}}));
 }
 
-TEST_CASE("quorum: split brain guard: 2 of 4 groups heartbeating is no majority") {
+TEST_CASE("quorum: the majority is over the groups heard from, not the dead") {
   const int64_t now = 50'000;
   quorum_state s;
   s.current = make_epoch(5, {{0, 1}, {1, 1}, {2, 1}, {3, 1}});
   s.participants = {hb({0, 1}, now), hb({1, 1}, now), hb({2, 1}, now, 5000), hb({3, 1}, now, 5000)};
+  // Two of four died: the two survivors are all the groups heard from.
   auto d = compute_quorum(s, now, opts(2));
-  CHECK(d.kind == decision_kind::wait);
-  CHECK_FALSE(d.changed);
-  CHECK(d.epoch == s.current);
+  CHECK(d.kind == decision_kind::new_epoch);
+  CHECK(d.epoch == make_epoch(6, {{0, 1}, {1, 1}}));
   CHECK(d.left == std::vector<member>{{2, 1}, {3, 1}});
-  CHECK(d.reason == "no majority: 2 of 4 groups live [g0#1 g1#1]; lost g2#1 (silent since t=45000 ms), "
+  // ... unless the dead are already back and catching up: 2 of 4 heard from
+  // is no majority, wait for them.
+  s.heard_not_ready = 2;
+  auto w = compute_quorum(s, now, opts(2));
+  CHECK(w.kind == decision_kind::wait);
+  CHECK_FALSE(w.changed);
+  CHECK(w.epoch == s.current);
+  CHECK(w.reason == "no majority: 2 of 4 groups live [g0#1 g1#1]; lost g2#1 (silent since t=45000 ms), "
                     "g3#1 (silent since t=45000 ms); waiting (a minority must not go on alone)");
-  // 3 of 4 is a majority.
-  s.participants[2] = hb({2, 1}, now);
-  auto three = compute_quorum(s, now, opts(2));
-  CHECK(three.kind == decision_kind::new_epoch);
-  CHECK(three.epoch == make_epoch(6, {{0, 1}, {1, 1}, {2, 1}}));
+  // 2 of 3 heard from is a majority.
+  s.heard_not_ready = 1;
+  CHECK(compute_quorum(s, now, opts(2)).kind == decision_kind::new_epoch);
+  // Two groups of two: one dies, the other goes on alone (min_replicas 1).
+  quorum_state two;
+  two.current = make_epoch(1, {{0, 1}, {1, 1}});
+  two.participants = {hb({0, 1}, now), hb({1, 1}, now, 5000)};
+  auto alone = compute_quorum(two, now, opts(1));
+  CHECK(alone.kind == decision_kind::new_epoch);
+  CHECK(alone.epoch == make_epoch(2, {{0, 1}}));
 }
 
 TEST_CASE("quorum: min_replicas not met: wait while someone joins, else fail") {
@@ -250,7 +262,9 @@ TEST_CASE("quorum: reason_changed logs a situation once") {
   quorum_decision logged; // nothing logged yet
   int logs = 0;
   for (int64_t now = 10'000; now < 12'000; now += 100) {
-    // Groups 2 and 3 went silent at t=9000: no majority, tick after tick.
+    // Groups 2 and 3 went silent at t=9000 and two groups are catching up:
+    // no majority, tick after tick.
+    s.heard_not_ready = 2;
     s.participants = {hb({0, 1}, now), hb({1, 1}, now), {{2, 1}, 9000, 0}, {{3, 1}, 9000, 0}};
     auto d = compute_quorum(s, now, opts(2));
     CHECK(d.kind == decision_kind::wait);
