@@ -74,6 +74,7 @@ struct agent::impl {
   uint64_t join_losses_before = 0;          // lost_count[join_source] when it began
   std::map<uint64_t, session_ptr> sessions; // as source, by session id
   wire::worker_status status;
+  bool announce_commit = false; // the first commit of an epoch is beaconed at once
   std::thread beacon;
 
   impl(agent_options opts, coordinator_client& c, std::shared_ptr<coll::host_context> x)
@@ -462,8 +463,16 @@ void agent::at_boundary(const train_state& st) {
 
 void agent::committed(uint64_t k, std::span<const float> update) {
   auto& I = *impl_;
-  std::lock_guard lk(I.mu);
+  std::unique_lock lk(I.mu);
   I.status.step = k + 1;
+  if (I.announce_commit) {
+    // The coordinator times recovery by this beacon: send it now, not at
+    // the next beacon tick.
+    I.announce_commit = false;
+    lk.unlock();
+    I.send_status();
+    lk.lock();
+  }
   for (auto& [id, s] : I.sessions) {
     if (s->want_snapshot || s->broken || s->end)
       continue;
@@ -566,6 +575,7 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
       I.status.state = wire::worker_status::training;
       I.status.epoch = n.epoch;
       I.status.session = 0;
+      I.announce_commit = true;
       lk.unlock();
       I.send_status();
       spdlog::info("agent: rank {} in epoch {} ({} members) at step {}", I.o.rank, n.epoch,

@@ -301,7 +301,8 @@ void supervisor::impl::assign_catch_ups(int64_t now) {
     say(fmt::format("rank {} catches up from rank {} (session {})", rank, a.source, a.session));
     log->emit("catchup_start", {{"rank", uint64_t{rank}},
                                 {"source", uint64_t{a.source}},
-                                {"session", a.session}});
+                                {"session", a.session},
+                                {"step", max_member_step}});
   }
 }
 

@@ -1,0 +1,241 @@
+// Recovery benchmark.
+//
+//  1. Kill -> survivors' next committed step, p50 and p99 over seeded
+//     SIGKILLs, for 4x1 and 2x1 (replica groups x ranks per group).
+//  2. Catch-up of a restarted group by model size: time from its catch-up
+//     assignment to its admission, and the snapshot's transfer rate beside
+//     this machine's memcpy rate, measured in the same run.
+//  3. The survivors' stall while they serve a catch-up: their step rate
+//     between the catch-up's start and the joiner's admission, against their
+//     rate just before it.
+// Every figure comes from the launcher's JSON-lines event log (CLOCK_MONOTONIC
+// timestamps shared by all processes) and the workers' log lines.
+//
+//   cmesh_bench_recovery [--kills N] [--seed S] [--quick]
+#include "core/env.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+std::string self_dir() {
+  char buf[4096];
+  auto n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0)
+    return ".";
+  std::string p(buf, static_cast<size_t>(n));
+  return p.substr(0, p.rfind('/'));
+}
+
+struct event {
+  std::string name, line;
+  double mono_ms = 0;
+  std::string field(const std::string& key) const {
+    std::smatch m;
+    std::regex re("\"" + key + "\":(\"[^\"]*\"|\\[[^\\]]*\\]|[-0-9.a-z]+)");
+    return std::regex_search(line, m, re) ? m[1].str() : std::string{};
+  }
+  double num(const std::string& key) const {
+    auto f = field(key);
+    return f.empty() ? -1 : std::stod(f);
+  }
+};
+
+struct run_out {
+  int status = -1;
+  std::string output;
+  std::vector<event> events;
+};
+
+run_out launch(const std::string& args) {
+  static int serial = 0;
+  auto base = fmt::format("/tmp/cmesh_bench_recovery_{}_{}", getpid(), serial++);
+  auto cmd = fmt::format("timeout 900 {}/cmesh launch {} --events {}.jsonl >{}.out 2>&1",
+                         self_dir(), args, base, base);
+  run_out r;
+  r.status = std::system(cmd.c_str());
+  std::ifstream out(base + ".out");
+  std::stringstream ss;
+  ss << out.rdbuf();
+  r.output = ss.str();
+  std::ifstream in(base + ".jsonl");
+  std::string line;
+  std::regex name_re("\"event\":\"([a-z_]+)\"");
+  std::regex mono_re("\"mono_ms\":([0-9.]+)");
+  while (std::getline(in, line)) {
+    std::smatch a, b;
+    if (std::regex_search(line, a, name_re) && std::regex_search(line, b, mono_re))
+      r.events.push_back({a[1].str(), line, std::stod(b[1].str())});
+  }
+  std::remove((base + ".out").c_str());
+  std::remove((base + ".jsonl").c_str());
+  return r;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty())
+    return NAN;
+  std::sort(v.begin(), v.end());
+  auto i = static_cast<size_t>(std::min<double>(v.size() - 1, std::ceil(p * v.size()) - 1));
+  return v[i];
+}
+
+/// For every chaos SIGKILL, the time to the next first_commit after it.
+std::vector<double> kill_to_commit(const std::vector<event>& ev) {
+  std::vector<double> out;
+  for (size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i].name != "chaos" || ev[i].field("signal").find("SIGKILL") == std::string::npos)
+      continue;
+    for (size_t j = i + 1; j < ev.size(); ++j)
+      if (ev[j].name == "first_commit") {
+        out.push_back(ev[j].mono_ms - ev[i].mono_ms);
+        break;
+      }
+  }
+  return out;
+}
+
+double memcpy_gbps() {
+  std::vector<char> a(256 << 20, 1), b(256 << 20, 0);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t0 = cmesh::mono_ns();
+    std::memcpy(b.data(), a.data(), a.size());
+    auto dt = static_cast<double>(cmesh::mono_ns() - t0) / 1e9;
+    best = std::max(best, static_cast<double>(a.size()) / dt / 1e9);
+  }
+  return best;
+}
+
+struct size_case {
+  const char* name;
+  size_t d_model, ffn, expert_ffn;
+  size_t steps;
+};
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int kills = 20;
+  uint64_t seed = 1;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--kills" && i + 1 < argc)
+      kills = std::atoi(argv[++i]);
+    else if (a == "--seed" && i + 1 < argc)
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--quick")
+      quick = true;
+    else {
+      fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick]\n");
+      return 2;
+    }
+  }
+  if (quick)
+    kills = 4;
+  fmt::print("# recovery benchmark: {} seeded kills per layout, seed {}\n\n", kills, seed);
+
+  // 1. Kill -> next commit.
+  fmt::print("## kill -> survivors' next committed step (goal: p50 < 1000 ms, p99 < 3000 ms)\n\n");
+  fmt::print("| layout | kills timed | p50 ms | p99 ms | max ms | goal |\n|---|---|---|---|---|---|\n");
+  for (int n : {4, 2}) {
+    std::vector<double> lat;
+    int per_run = std::min(kills, 10);
+    for (int done = 0, run = 0; done < kills; done += per_run, ++run) {
+      auto r = launch(fmt::format("-n {} --steps {} --log-every 1000 --restart-delay-ms 300 "
+                                  "--max-restarts 100 --chaos-kills {} --chaos-seed {}",
+                                  n, 40 * per_run + 40, per_run, seed + 100 * n + run));
+      auto l = kill_to_commit(r.events);
+      lat.insert(lat.end(), l.begin(), l.end());
+      if (r.status != 0)
+        fmt::print(stderr, "note: a {}x1 run ended with status {}\n", n, r.status);
+    }
+    auto p50 = percentile(lat, 0.5), p99 = percentile(lat, 0.99);
+    fmt::print("| {}x1 | {} | {:.0f} | {:.0f} | {:.0f} | {} |\n", n, lat.size(), p50, p99,
+               lat.empty() ? NAN : *std::max_element(lat.begin(), lat.end()),
+               p50 < 1000 && p99 < 3000 ? "met" : "MISSED");
+  }
+  fmt::print("\n(2x2 is not measured: this build trains one rank per replica group.)\n\n");
+
+  // 2 and 3. Catch-up by model size, and the survivors' stall meanwhile.
+  double mem = memcpy_gbps();
+  fmt::print("## catch-up of a restarted group (3x1, one SIGKILL), by model size\n\n");
+  fmt::print("memcpy on this machine, same run: {:.2f} GB/s\n\n", mem);
+  fmt::print("| model | params | state MB | assign->admitted ms | snapshot GB/s | of memcpy | "
+             "survivors' step rate during / before | stall | goal (<10%) |\n"
+             "|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<size_case> cases = {{"default", 64, 128, 64, 200},
+                                  {"x4 width", 256, 512, 256, 120},
+                                  {"x8 width", 512, 1024, 512, 80}};
+  if (quick)
+    cases.resize(2);
+  for (auto& c : cases) {
+    auto cfg = fmt::format("/tmp/cmesh_bench_recovery_{}.toml", getpid());
+    {
+      std::ofstream f(cfg);
+      f << "[model]\nd_model = " << c.d_model << "\nffn = " << c.ffn
+        << "\nexpert_ffn = " << c.expert_ffn << "\n";
+    }
+    auto r = launch(fmt::format("-n 3 --config {} --steps {} --log-every 1000 "
+                                "--restart-delay-ms 2000 --chaos kill@8:1",
+                                cfg, c.steps));
+    std::remove(cfg.c_str());
+    std::smatch m;
+    double mb = NAN, secs = NAN;
+    if (std::regex_search(r.output, m, std::regex("snapshot of step [0-9]+ sent to rank [0-9]+ "
+                                                  "\\(([0-9.]+) MB in ([0-9.]+) s")))
+      mb = std::stod(m[1].str()), secs = std::stod(m[2].str());
+    const event *fc = nullptr, *cs = nullptr, *join = nullptr;
+    for (auto& e : r.events) {
+      if (!fc && e.name == "first_commit" && e.num("since_failure_ms") >= 0)
+        fc = &e;
+      if (!cs && e.name == "catchup_start")
+        cs = &e;
+      if (cs && !join && e.name == "epoch" && e.field("joined") == "[1]")
+        join = &e;
+    }
+    if (!fc || !cs || !join) {
+      fmt::print("| {} | - | - | run incomplete (status {}) | | | | | |\n", c.name, r.status);
+      continue;
+    }
+    double before = (cs->num("step") - fc->num("step")) / (cs->mono_ms - fc->mono_ms) * 1e3;
+    double during = (join->num("step") - cs->num("step")) / (join->mono_ms - cs->mono_ms) * 1e3;
+    double stall = 1.0 - during / before;
+    double params = mb * 1e6 / 12.0;
+    double gbps = mb / 1e3 / secs;
+    fmt::print("| {} | {:.2f} M | {:.1f} | {:.0f} | {:.2f} | {:.2f} | {:.1f} / {:.1f} steps/s | "
+               "{:.1f}% | {} |\n",
+               c.name, params / 1e6, mb, join->mono_ms - cs->mono_ms, gbps, gbps / mem, during,
+               before, 100.0 * stall, stall < 0.10 ? "met" : "MISSED");
+  }
+  fmt::print("\nassign->admitted includes the joiner's start-up of its catch-up communicator,\n"
+             "the source's next step boundary and the 500 ms join window. The rate before is\n"
+             "the survivors' between their first commit and the catch-up's start (2 s of\n"
+             "restart delay). On this 2-core machine the joiner's start-up shares the cores\n"
+             "with the survivors, which the stall includes.\n\n");
+
+  fmt::print("## peers, published figures (for scale; other hardware and scale)\n\n");
+  fmt::print("| system | figure |\n|---|---|\n");
+  fmt::print("| FT-HSDP (Meta, arXiv 2602.00277) | stall per failure 3 min (vs 10 min for "
+             "synchronous restart) at O(100K) GPUs |\n");
+  fmt::print("| torchft | lighthouse heartbeats every 100 ms, 1 s timeout to drop a replica "
+             "(pytorch/torchft issue 35) |\n");
+  fmt::print("| NVIDIA resiliency ext. in-process restart | restarts the training function in "
+             "the same process; no per-failure figure published in its docs |\n");
+  return 0;
+}
