@@ -5,9 +5,12 @@
 // with kills ends with final weights bit-identical to a run without them.
 #include "node_harness.hpp"
 
+#include <csignal>
 #include <fstream>
 #include <regex>
 #include <set>
+#include <sstream>
+#include <thread>
 
 using namespace cmesh;
 using namespace cmesh::testing;
@@ -211,5 +214,92 @@ TEST_CASE("every group dead, or too many at once: a clear error, nothing committ
     INFO(j.r.output);
     REQUIRE(j.r.exit_code == 0);
     check_identical(j, 3);
+  }
+}
+
+namespace {
+
+/// `cmesh ARGS > out 2>&1`, exec'd so that the child's pid is cmesh's.
+child_process spawn_cmesh(const std::string& args, const std::string& out,
+                          const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  auto c = child_process::spawn("/bin/sh",
+                                {"-c", "exec " + bin_dir() + "/cmesh " + args + " >" + out + " 2>&1"},
+                                env);
+  REQUIRE(c.pid() > 0);
+  return c;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+uint16_t free_port() {
+  coordinator probe(coordinator_options{});
+  REQUIRE_FALSE(probe.start());
+  auto port = probe.port();
+  probe.stop();
+  return port;
+}
+
+} // namespace
+
+TEST_CASE("losing the coordinator: training goes on, a restarted coordinator rebuilds its state") {
+  for (bool with_worker : {false, true}) {
+    CAPTURE(with_worker);
+    auto port = std::to_string(free_port());
+    auto base = "/tmp/cmesh_coordloss_" + std::to_string(getpid());
+    auto job = "--exact --steps " + std::to_string(steps) + " --log-every 50";
+    auto coord = spawn_cmesh("coordinator --port " + port + " -n 3 " + job, base + ".c1");
+    auto worker_env = [&](int r) {
+      return std::vector<std::pair<std::string, std::string>>{
+        {"CMESH_COORDINATOR", "127.0.0.1:" + port},
+        {"CMESH_RANK", std::to_string(r)},
+        {"CMESH_WORLD_SIZE", "3"}};
+    };
+    std::vector<child_process> workers;
+    for (int r = 0; r < 3; ++r)
+      workers.push_back(spawn_cmesh("worker " + job, base + ".w" + std::to_string(r), worker_env(r)));
+    // Kill it (and a worker) once training runs.
+    auto t0 = std::chrono::steady_clock::now();
+    while (slurp(base + ".c1").find("committed step") == std::string::npos
+           && std::chrono::steady_clock::now() - t0 < 60s)
+      std::this_thread::sleep_for(50ms);
+    std::this_thread::sleep_for(300ms);
+    coord.signal(SIGKILL);
+    if (with_worker)
+      workers[2].signal(SIGKILL);
+    REQUIRE(coord.wait(10s));
+    if (with_worker)
+      REQUIRE(workers[2].wait(10s));
+    std::this_thread::sleep_for(500ms);
+    // Meanwhile the others keep training (they need no coordinator until
+    // their membership changes); then the coordinator comes back on the
+    // same port, and the worker is started again, as srun would.
+    auto coord2 = spawn_cmesh("coordinator --port " + port + " -n 3 " + job, base + ".c2");
+    if (with_worker)
+      workers[2] = spawn_cmesh("worker " + job, base + ".w2b", worker_env(2));
+    auto st = coord2.wait(240s);
+    auto out = slurp(base + ".c2");
+    INFO(out);
+    REQUIRE(st);
+    CHECK(exit_code_of(*st) == 0);
+    CHECK(out.find("adopted epoch") != std::string::npos);
+    for (auto& w : workers) {
+      auto ws = w.wait(30s);
+      if (!ws)
+        w.kill_and_reap();
+      REQUIRE(ws);
+      CHECK(exit_code_of(*ws) == 0);
+    }
+    // Every rank that finished has the weights of the run without faults.
+    auto ws = weights_of(out);
+    CHECK(ws.size() == 3);
+    for (auto& w : ws)
+      CHECK(w == reference_weights());
+    for (auto suffix : {".c1", ".c2", ".w0", ".w1", ".w2", ".w2b"})
+      std::remove((base + suffix).c_str());
   }
 }

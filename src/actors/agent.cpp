@@ -55,8 +55,10 @@ using session_ptr = std::shared_ptr<session>;
 
 struct agent::impl {
   agent_options o;
-  coordinator_client& client;
+  std::shared_ptr<coordinator_client> client_; // guarded by mu
   std::shared_ptr<coll::host_context> ctx;
+  std::optional<wire::report> done_report;     // re-sent after a reconnect
+  bool connected = true;
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -77,10 +79,17 @@ struct agent::impl {
   bool announce_commit = false; // the first commit of an epoch is beaconed at once
   std::thread beacon;
 
-  impl(agent_options opts, coordinator_client& c, std::shared_ptr<coll::host_context> x)
-      : o(std::move(opts)), client(c), ctx(std::move(x)) {
+  impl(agent_options opts, coordinator_client c, std::shared_ptr<coll::host_context> x)
+      : o(std::move(opts)), client_(std::make_shared<coordinator_client>(std::move(c))),
+        ctx(std::move(x)) {
     status.incarnation = o.incarnation;
   }
+
+  std::shared_ptr<coordinator_client> client() const {
+    std::lock_guard lk(mu);
+    return client_;
+  }
+  bool reconnect();
 
   void on_control(const control_message& m);
   void abort_if_left_out(); // with mu held
@@ -115,15 +124,46 @@ void agent::impl::send_status() {
     s = status;
   }
   s.mono_ns = mono_ns();
-  // The coordinator may be gone for a while: training goes on meanwhile.
-  (void) client.send_status(s);
+  // The coordinator may be gone for a while: training goes on meanwhile,
+  // and the beacon thread reconnects.
+  if (client()->send_status(s)) {
+    std::lock_guard lk(mu);
+    connected = false;
+  }
+}
+
+bool agent::impl::reconnect() {
+  auto c = coordinator_client::connect(*o.coordinator, std::chrono::milliseconds(500));
+  if (!c)
+    return false;
+  auto fresh = std::make_shared<coordinator_client>(std::move(*c));
+  if (fresh->rejoin(o.registration))
+    return false;
+  fresh->on_control([this](const control_message& m) { on_control(m); });
+  std::optional<wire::report> done;
+  {
+    std::lock_guard lk(mu);
+    client_ = fresh;
+    connected = true;
+    done = done_report;
+  }
+  spdlog::warn("agent: rank {} reconnected to the coordinator at {}", o.rank,
+               o.coordinator->to_string());
+  send_status();
+  if (done)
+    (void) fresh->report(*done);
+  return true;
 }
 
 void agent::impl::run_beacon() {
   std::unique_lock lk(mu);
   while (!stopping) {
+    bool lost = !connected;
     lk.unlock();
-    send_status();
+    if (lost && o.coordinator)
+      reconnect();
+    else
+      send_status();
     lk.lock();
     cv.wait_for(lk, o.beacon_interval, [&] { return stopping; });
   }
@@ -242,8 +282,9 @@ void agent::impl::serve(session_ptr s) {
   auto sctx = coll::host_context::create(o.rank);
   if (!sctx)
     return fail(sctx.error());
+  auto cl = client();
   auto c = coll::make_host_communicator(*sctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
-                                        client, {}, o.host);
+                                        *cl, {}, o.host);
   if (!c)
     return fail(c.error());
   {
@@ -325,8 +366,9 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
       return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", r));
     return {};
   };
+  auto cl = client();
   auto c = coll::make_host_communicator(*jctx, {catchup_epoch(a.session), {a.source, o.rank}},
-                                        client, source_status, o.host);
+                                        *cl, source_status, o.host);
   if (!c)
     return c.error();
   auto& comm = **c;
@@ -377,8 +419,12 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   }
 }
 
-agent::agent(agent_options o, coordinator_client& client, std::shared_ptr<coll::host_context> ctx)
-    : impl_(std::make_unique<impl>(std::move(o), client, std::move(ctx))) {}
+agent::agent(agent_options o, coordinator_client client, std::shared_ptr<coll::host_context> ctx)
+    : impl_(std::make_unique<impl>(std::move(o), std::move(client), std::move(ctx))) {}
+
+std::shared_ptr<coordinator_client> agent::client() const {
+  return impl_->client();
+}
 
 agent::~agent() {
   stop();
@@ -386,7 +432,7 @@ agent::~agent() {
 
 void agent::start() {
   auto* I = impl_.get();
-  I->client.on_control([I](const control_message& m) { I->on_control(m); });
+  I->client()->on_control([I](const control_message& m) { I->on_control(m); });
   I->beacon = std::thread([I] { I->run_beacon(); });
 }
 
@@ -409,7 +455,7 @@ void agent::stop() {
     }
   }
   I.cv.notify_all();
-  I.client.on_control({});
+  I.client()->on_control({});
   if (I.beacon.joinable())
     I.beacon.join();
   for (auto& s : all)
@@ -417,8 +463,13 @@ void agent::stop() {
       s->thread.join();
 }
 
-void agent::finished(uint64_t step) {
+void agent::finished(uint64_t step, const wire::report& done) {
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->done_report = done;
+  }
   impl_->set_status(wire::worker_status::training, step);
+  (void) impl_->client()->report(done);
 }
 
 uint64_t agent::newest_epoch() const {
@@ -560,7 +611,8 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
           s->end = true;
       I.cv.notify_all();
       lk.unlock();
-      auto c = coll::make_host_communicator(I.ctx, {n.epoch, n.ranks}, I.client,
+      auto cl = I.client();
+      auto c = coll::make_host_communicator(I.ctx, {n.epoch, n.ranks}, *cl,
                                             I.member_status(n.epoch), I.o.host);
       lk.lock();
       if (!c) {

@@ -33,6 +33,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 
 namespace cmesh::actors {
 
@@ -45,6 +46,12 @@ struct agent_options {
   /// Committed updates queued for one joiner before its stream is cut.
   size_t stream_max = 64;
   coll::host_options host;
+  /// Where the coordinator is and how this worker registered: when the
+  /// connection is lost, the agent reconnects and registers again (a
+  /// restarted coordinator rebuilds its state from the workers). Unset: no
+  /// reconnecting.
+  std::optional<host_port> coordinator;
+  wire::register_worker registration;
 };
 
 /// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).
@@ -52,8 +59,8 @@ uint64_t catchup_epoch(uint64_t session);
 
 class agent final : public supervision {
 public:
-  /// `client` and `ctx` must outlive the agent.
-  agent(agent_options o, coordinator_client& client, std::shared_ptr<coll::host_context> ctx);
+  /// Takes over the worker's coordinator connection.
+  agent(agent_options o, coordinator_client client, std::shared_ptr<coll::host_context> ctx);
   ~agent() override;
 
   /// Installs the control handler and starts beaconing.
@@ -61,8 +68,13 @@ public:
   /// Stops beaconing and every catch-up session; idempotent.
   void stop();
 
-  /// The trainer has finished at `step`: beacons say so until stop().
-  void finished(uint64_t step);
+  /// The trainer has finished at `step`: beacons say so until stop(), and
+  /// `done` is reported (again to a coordinator that restarts meanwhile).
+  void finished(uint64_t step, const wire::report& done);
+
+  /// The current connection to the coordinator (it changes when the agent
+  /// reconnects to a restarted coordinator).
+  std::shared_ptr<coordinator_client> client() const;
 
   expected<coll::communicator*> enter_epoch(uint64_t after, const caf::error& why,
                                             train_state& state, const apply_update& apply) override;

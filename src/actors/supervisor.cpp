@@ -57,6 +57,7 @@ struct supervisor::impl {
   recovery::epoch current;
   recovery::quorum_decision last;
   int64_t waiting_since_ms = 0; // a broken epoch waiting for a quorum, since
+  int64_t adopt_seen_ms = 0;    // a restarted coordinator first heard of a running epoch
   std::optional<std::string> failed;
   uint64_t next_session = 0;
   std::optional<std::pair<uint32_t, uint32_t>> newest_catchup; // (joiner, source)
@@ -78,6 +79,7 @@ struct supervisor::impl {
   void on_event(const worker_event& ev);
   void run();
   void decide(int64_t now);
+  bool adopt(int64_t now);
   void assign_catch_ups(int64_t now);
   void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
   void say(const std::string& line) {
@@ -158,6 +160,8 @@ void supervisor::impl::on_event(const worker_event& ev) {
       }
       w.has_status = true;
       w.st = ev.status;
+      if (current.id == 0 && adopt_seen_ms == 0 && ev.status.epoch > 0)
+        adopt_seen_ms = now;
       if (is_member(ev.rank, w.incarnation))
         max_member_step = std::max(max_member_step, ev.status.step);
       break;
@@ -174,7 +178,62 @@ void supervisor::impl::on_event(const worker_event& ev) {
   cv.notify_all();
 }
 
+/// A restarted coordinator learns the running epoch from the workers'
+/// beacons (after a settling second, so every survivor re-registered), and
+/// re-forms it at once with the members it hears from.
+bool supervisor::impl::adopt(int64_t now) {
+  if (current.id != 0 || adopt_seen_ms == 0)
+    return true;
+  if (now - adopt_seen_ms < 1000)
+    return false;
+  uint64_t e = 0;
+  for (auto& [rank, w] : workers)
+    if (w.connected && w.has_status && w.st.incarnation == w.incarnation)
+      e = std::max(e, w.st.epoch);
+  recovery::epoch adopted{e, {}};
+  for (auto& [rank, w] : workers) {
+    if (!w.connected || !w.has_status || w.st.epoch != e)
+      continue;
+    if (w.st.state != wire::worker_status::training
+        && w.st.state != wire::worker_status::recovering)
+      continue;
+    adopted.members.push_back({rank, w.incarnation});
+    max_member_step = std::max(max_member_step, w.st.step);
+  }
+  current = adopted;
+  say(fmt::format("adopted epoch {} {} from the workers", e, recovery::to_string(current.members)));
+  log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members)}});
+  {
+    // The members of the running epoch that died while the coordinator
+    // was away are unknown: a new epoch of those heard from drops them (the
+    // others' running step is aborted and retried), and costs the healthy
+    // case only a switch at the next step boundary.
+    current.id = e + 1;
+    wire::epoch_notice n;
+    n.epoch = current.id;
+    n.reason = fmt::format("epoch {} re-formed after the coordinator returned", current.id);
+    for (auto& m : current.members) {
+      n.ranks.push_back(m.group);
+      n.incarnations.push_back(m.incarnation);
+    }
+    coord.send_control(std::nullopt, n);
+    epoch_started_ms = now;
+    epoch_base_step = max_member_step;
+    first_commit_seen = false;
+    log->emit("epoch", {{"epoch", current.id},
+                        {"members", n.ranks},
+                        {"joined", std::vector<uint32_t>{}},
+                        {"left", std::vector<uint32_t>{}},
+                        {"step", max_member_step},
+                        {"reason", n.reason}});
+    say(n.reason);
+  }
+  return true;
+}
+
 void supervisor::impl::decide(int64_t now) {
+  if (!adopt(now))
+    return;
   recovery::quorum_state qs;
   qs.current = current;
   qs.expected_groups = o.groups;

@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include <future>
+#include <thread>
 
 namespace cmesh::cli {
 
@@ -76,8 +77,17 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
   actors::agent_options ao;
   ao.rank = rank;
   ao.incarnation = j.incarnation;
-  actors::agent agent(ao, j.coordinator, *ctx);
+  ao.coordinator = j.coordinator_address;
+  ao.registration = j.registration;
+  // The agent owns the coordinator connection from here on (it reconnects
+  // to a coordinator that restarts).
+  actors::agent agent(ao, std::move(j.coordinator), *ctx);
   agent.start();
+  auto report_failure_late = [&](const caf::error& e) {
+    agent.client()->report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
+                            mono_ns()});
+    return e;
+  };
 
   actors::trainer_options opts;
   opts.config = config;
@@ -108,7 +118,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
   // aborts whatever the trainer waits on.
   auto give_up = std::chrono::steady_clock::now() + timeout;
   while (fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
-    auto sd = j.coordinator.wait_shutdown(std::chrono::milliseconds(0));
+    auto sd = agent.client()->wait_shutdown(std::chrono::milliseconds(0));
     bool ended = static_cast<bool>(sd) || std::chrono::steady_clock::now() > give_up;
     if (ended) {
       agent.stop();
@@ -127,26 +137,35 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
   auto result = fut.get();
   if (!result) {
     agent.stop();
-    report_failure(result.error());
+    report_failure_late(result.error());
     if (code_of(result.error()) == errc::fenced)
       return exit_fenced;
     return result.error();
   }
-  agent.finished(result->steps);
-  j.coordinator.report(
-    {rank, "done",
-     fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
-                 result->steps, result->final_loss, result->tokens_per_s, result->seconds,
-                 result->weights_xxh64),
-     mono_ns()});
+  agent.finished(result->steps,
+                 {rank, "done",
+                  fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
+                              result->steps, result->final_loss, result->tokens_per_s,
+                              result->seconds, result->weights_xxh64),
+                  mono_ns()});
   // Beacons go on until the job ends, so the coordinator never mistakes a
-  // finished rank for a dead one while the others finish.
-  auto sd = j.coordinator.wait_shutdown(timeout);
-  agent.stop();
-  if (!sd)
-    return make_error(code_of(sd.error()),
-                      "waiting for the coordinator's shutdown: " + describe(sd.error()));
-  return sd->exit_code;
+  // finished rank for a dead one while the others finish. A coordinator
+  // that is away is waited for (the agent reconnects to its restart).
+  auto until = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto sd = agent.client()->wait_shutdown(std::chrono::milliseconds(200));
+    if (sd) {
+      agent.stop();
+      return sd->exit_code;
+    }
+    if (std::chrono::steady_clock::now() > until) {
+      agent.stop();
+      return make_error(errc::timeout, "waiting for the coordinator's shutdown: "
+                                         + describe(sd.error()));
+    }
+    if (code_of(sd.error()) == errc::closed)
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
 }
 
 } // namespace cmesh::cli

@@ -1352,6 +1352,13 @@ coordinator_client::register_and_wait(const wire::register_worker& me,
   return s.explain(make_error(errc::timeout), "peer table", timeout);
 }
 
+caf::error coordinator_client::rejoin(const wire::register_worker& me) {
+  if (!impl_)
+    return moved_from();
+  impl_->rank = me.rank;
+  return impl_->send(make_packet(header(me.rank, wire::no_process), me));
+}
+
 caf::error coordinator_client::report(const wire::report& r) {
   if (!impl_)
     return moved_from();

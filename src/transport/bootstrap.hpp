@@ -160,6 +160,10 @@ public:
   expected<wire::peer_table> register_and_wait(const wire::register_worker& me,
                                                std::chrono::milliseconds timeout);
 
+  /// Registers again with a coordinator that restarted (its state is gone):
+  /// sends the registration and returns without waiting for a peer table.
+  caf::error rejoin(const wire::register_worker& me);
+
   /// Sends a report (fire and forget; error if the connection is gone).
   caf::error report(const wire::report& r);
 

@@ -75,7 +75,8 @@ expected<joined_mesh> join_mesh(join_options opts) {
     if (auto e = (*net)->connect(table->peers))
       return e;
   spdlog::debug("rank {}: joined a mesh of {}", rank, table->world_size);
-  return joined_mesh{*opts.place, me.incarnation, std::move(*net), std::move(*client),
+  return joined_mesh{*opts.place,         me.incarnation,     me,
+                     *opts.coordinator,   std::move(*net),    std::move(*client),
                      std::move(*table)};
 }
 

@@ -32,6 +32,8 @@ struct join_options {
 struct joined_mesh {
   launch_env place;
   uint64_t incarnation = 0;       // this process's, as registered
+  wire::register_worker registration; // what it registered with
+  host_port coordinator_address;
   std::unique_ptr<transport> net; // connected, not started
   coordinator_client coordinator;
   wire::peer_table table;
