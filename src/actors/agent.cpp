@@ -100,6 +100,13 @@ struct agent::impl {
   void serve(session_ptr s);
   caf::error receive(const wire::catchup_assign& a, train_state& st, const apply_update& apply);
   coll::peer_status member_status(uint64_t epoch);
+  /// Catch-up moves whole state buffers between two processes: large
+  /// chunks (fewer messages), the rest as for training.
+  coll::host_options catchup_host_options() const {
+    auto h = o.host;
+    h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
+    return h;
+  }
 };
 
 void agent::impl::set_status(uint8_t state, std::optional<uint64_t> step,
@@ -284,7 +291,7 @@ void agent::impl::serve(session_ptr s) {
     return fail(sctx.error());
   auto cl = client();
   auto c = coll::make_host_communicator(*sctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
-                                        *cl, {}, o.host);
+                                        *cl, {}, catchup_host_options());
   if (!c)
     return fail(c.error());
   {
@@ -368,7 +375,7 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   };
   auto cl = client();
   auto c = coll::make_host_communicator(*jctx, {catchup_epoch(a.session), {a.source, o.rank}},
-                                        *cl, source_status, o.host);
+                                        *cl, source_status, catchup_host_options());
   if (!c)
     return c.error();
   auto& comm = **c;
@@ -389,6 +396,7 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   int64_t hdr[2] = {0, 0};
   if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0))
     return e;
+  const auto t0 = mono_ns();
   if (hdr[0] < 0 || static_cast<size_t>(hdr[1]) != st.params.size())
     return make_error(errc::invalid_argument,
                       fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
@@ -397,8 +405,11 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
     if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0))
       return e;
   st.step = static_cast<uint64_t>(hdr[0]);
-  spdlog::info("agent: rank {} received the snapshot of step {} from rank {} (session {})",
-               o.rank, st.step, a.source, a.session);
+  const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
+  const double mb = 3.0 * static_cast<double>(st.params.size() * sizeof(float)) / 1e6;
+  spdlog::info("agent: rank {} received the snapshot of step {} from rank {} (session {}): "
+               "{:.1f} MB in {:.4f} s, {:.2f} GB/s",
+               o.rank, st.step, a.source, a.session, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
   set_status(wire::worker_status::ready, st.step);
   std::vector<float> update(st.params.size());
   for (;;) {

@@ -46,6 +46,8 @@ struct agent_options {
   /// Committed updates queued for one joiner before its stream is cut.
   size_t stream_max = 64;
   coll::host_options host;
+  /// Chunk of the catch-up transfers (a two-member broadcast).
+  size_t catchup_chunk_bytes = size_t{8} << 20;
   /// Where the coordinator is and how this worker registered: when the
   /// connection is lost, the agent reconnects and registers again (a
   /// restarted coordinator rebuilds its state from the workers). Unset: no
