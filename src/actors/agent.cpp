@@ -290,8 +290,18 @@ void agent::impl::serve(session_ptr s) {
   if (!sctx)
     return fail(sctx.error());
   auto cl = client();
+  // Nothing tells a source that its joiner died: its session ends when the
+  // agent stops, when a newer session replaces it, or at the timeout.
+  coll::peer_status session_status = [this, s](uint32_t) -> caf::error {
+    std::lock_guard lk(mu);
+    if (stopping)
+      return make_error(errc::closed, "the agent is stopping");
+    if (s->broken)
+      return make_error(errc::aborted, "the catch-up session was replaced");
+    return {};
+  };
   auto c = coll::make_host_communicator(*sctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
-                                        *cl, {}, catchup_host_options());
+                                        *cl, session_status, catchup_host_options());
   if (!c)
     return fail(c.error());
   {
