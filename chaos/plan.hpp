@@ -6,7 +6,8 @@
 //   kill@S:R?          the same, skipped if R is then the last live member
 //   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
-//                      at step S or as soon as a catch-up runs after it
+//                      at step S or as soon as a catch-up runs after it whose
+//                      source is not the last live member
 //   kill-coordinator   is not a plan action: the coordinator is the launcher
 // A seeded random plan (random_plan) picks kills at distinct steps; the seed
 // is printed with the plan, so a failing run can be replayed.

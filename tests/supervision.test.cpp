@@ -147,7 +147,7 @@ TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights
   auto seed = test_seed();
   MESSAGE("chaos seed " << seed << " (CMESH_SEED=" << seed << " replays it)");
   auto j = launch("-n 3 --restart-delay-ms 100 --max-restarts 20 --chaos kill@4:1,kill-source@5 "
-                  "--chaos-kills 2 --chaos-seed "
+                  "--chaos-kills 2 --chaos-first-step 20 --chaos-seed "
                   + std::to_string(seed));
   INFO(j.r.output);
   REQUIRE(j.r.exit_code == 0);

@@ -285,6 +285,9 @@ void agent::impl::serve(session_ptr s) {
     std::lock_guard lk(mu);
     s->broken = true;
     s->queue.clear();
+    std::vector<float>().swap(s->params);
+    std::vector<float>().swap(s->adam_m);
+    std::vector<float>().swap(s->adam_v);
   };
   auto sctx = coll::host_context::create(o.rank);
   if (!sctx)
@@ -321,6 +324,11 @@ void agent::impl::serve(session_ptr s) {
     return fail(e);
   double secs = static_cast<double>(mono_ns() - t0) / 1e9;
   double mb = 3.0 * static_cast<double>(s->params.size() * sizeof(float)) / 1e6;
+  // The snapshot is sent: give its memory back (a session object stays,
+  // small, until the agent stops).
+  std::vector<float>().swap(s->params);
+  std::vector<float>().swap(s->adam_m);
+  std::vector<float>().swap(s->adam_v);
   spdlog::info("agent: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
                "{:.2f} GB/s)",
                a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
@@ -513,24 +521,14 @@ void agent::at_boundary(const train_state& st) {
       s->adam_m.assign(st.adam_m.begin(), st.adam_m.end());
       s->adam_v.assign(st.adam_v.begin(), st.adam_v.end());
       start.push_back(s);
-    }
-    // Finished sessions are forgotten.
-    for (auto it = I.sessions.begin(); it != I.sessions.end();) {
-      auto& s = it->second;
-      if ((s->broken || (s->end && !s->comm && s->queue.empty())) && !s->want_snapshot
-          && s->thread.joinable() && it->first + 1024 < I.sessions.rbegin()->first) {
-        s->thread.join();
-        it = I.sessions.erase(it);
-      } else {
-        ++it;
-      }
+      // Started under the lock, so stop() never sees a half-assigned thread.
+      if (!I.stopping)
+        s->thread = std::thread([&I, s] { I.serve(s); });
     }
   }
-  for (auto& s : start) {
+  for (auto& s : start)
     spdlog::info("agent: session {}: snapshot of step {} taken for rank {}", s->assign.session,
                  s->snap_step, s->assign.joiner);
-    s->thread = std::thread([&I, s] { I.serve(s); });
-  }
 }
 
 void agent::committed(uint64_t k, std::span<const float> update) {

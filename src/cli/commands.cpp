@@ -308,8 +308,9 @@ int run_launch(const job_options& job) {
     }
     plan = std::move(*p);
     if (job.supervise.chaos_kills > 0) {
-      auto more = chaos::random_plan(job.supervise.chaos_seed, job.supervise.chaos_kills, 2,
-                                     target > 2 ? target - 2 : 2, job.world_size);
+      auto first = job.supervise.chaos_first_step;
+      auto more = chaos::random_plan(job.supervise.chaos_seed, job.supervise.chaos_kills, first,
+                                     target > first + 2 ? target - 2 : first, job.world_size);
       plan.insert(plan.end(), more.begin(), more.end());
       std::stable_sort(plan.begin(), plan.end(),
                        [](auto& a, auto& b) { return a.at_step < b.at_step; });
@@ -386,16 +387,19 @@ int run_launch(const job_options& job) {
       // Chaos: actions whose step the members reached.
       while (next_action < plan.size() && plan[next_action].at_step <= v.max_member_step) {
         auto& a = plan[next_action];
+        auto others_live = [&](uint32_t target) {
+          size_t n = 0;
+          for (auto& r : v.ranks)
+            n += r.member && r.live && r.rank != target && !signalled_down[r.rank] ? 1 : 0;
+          return n;
+        };
         if (a.kind == chaos::action_kind::kill_source) {
-          if (!v.catchup_source)
-            break; // waits for a catch-up to run
+          // Waits for a catch-up to run whose source is not the last live member.
+          if (!v.catchup_source || others_live(*v.catchup_source) == 0)
+            break;
           signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill) {
-          size_t others_live = 0;
-          for (auto& r : v.ranks)
-            others_live +=
-              r.member && r.live && r.rank != a.rank && !signalled_down[r.rank] ? 1 : 0;
-          if (a.survivable && others_live == 0)
+          if (a.survivable && others_live(a.rank) == 0)
             fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: it is the last live "
                        "member\n",
                        a.rank, v.max_member_step);

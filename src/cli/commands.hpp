@@ -21,6 +21,7 @@ struct supervise_flags {
   std::string chaos;                // launch: a chaos plan (chaos/plan.hpp)
   size_t chaos_kills = 0;           // launch: random kills ...
   uint64_t chaos_seed = 1;          // ... drawn with this seed
+  uint64_t chaos_first_step = 2;    // ... at this step or later
 };
 
 struct job_options {

@@ -87,6 +87,9 @@ int main(int argc, char** argv) {
                      "SIGKILLs of random ranks at random steps, drawn with --chaos-seed");
   launch->add_option("--chaos-seed", job.supervise.chaos_seed, "seed of --chaos-kills")
     ->capture_default_str();
+  launch->add_option("--chaos-first-step", job.supervise.chaos_first_step,
+                     "the random kills fall at this step or later")
+    ->capture_default_str();
 
   try {
     app.parse(argc, argv);
