@@ -105,6 +105,9 @@ struct agent::impl {
   coll::host_options catchup_host_options() const {
     auto h = o.host;
     h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
+    // Catch-up runs beside training: it must not spin on a core the
+    // trainers need while it waits for its peer.
+    h.spin_before_yield = 1;
     return h;
   }
 };
