@@ -41,7 +41,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       return make_error(errc::invalid_argument,
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
                                     "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS, "
-                                    "kill-source@STEP)",
+                                    "hang@STEP:RANK, kill-source@STEP)",
                                     item, why));
     };
     auto at = item.find('@');
@@ -56,9 +56,11 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       a.survivable = true;
       args[1].remove_suffix(1);
     }
-    if (verb == "kill" || verb == "stop") {
-      a.kind = verb == "kill" ? action_kind::kill : action_kind::stop;
-      size_t want = a.kind == action_kind::kill ? 2 : 3;
+    if (verb == "kill" || verb == "stop" || verb == "hang") {
+      a.kind = verb == "kill"   ? action_kind::kill
+               : verb == "stop" ? action_kind::stop
+                                : action_kind::hang;
+      size_t want = a.kind == action_kind::stop ? 3 : 2;
       if (args.size() != want)
         return bad(fmt::format("expected {} fields after @", want));
       if (!number(args[1], a.rank))
@@ -111,6 +113,7 @@ std::string to_string(const std::vector<action>& plan) {
         out += fmt::format("stop@{}:{}:{}", a.at_step, a.rank, a.stop_ms);
         break;
       case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
+      case action_kind::hang: out += fmt::format("hang@{}:{}", a.at_step, a.rank); break;
     }
   }
   return out;

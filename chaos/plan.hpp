@@ -5,6 +5,8 @@
 //   kill@S:R           SIGKILL rank R once the live members committed step S
 //   kill@S:R?          the same, skipped if R is then the last live member
 //   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
+//   hang@S:R           SIGUSR1 rank R at step S: its trainer's next computation
+//                      hangs for good (a stuck kernel), for the step watchdog
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
@@ -22,12 +24,12 @@
 
 namespace cmesh::chaos {
 
-enum class action_kind : uint8_t { kill, stop, kill_source };
+enum class action_kind : uint8_t { kill, stop, kill_source, hang };
 
 struct action {
   action_kind kind = action_kind::kill;
   uint64_t at_step = 0;
-  uint32_t rank = 0;   // kill, stop
+  uint32_t rank = 0;   // kill, stop, hang
   int64_t stop_ms = 0; // stop
   /// Survivable only: skipped when its target is the last live member (the
   /// random kills are; a written plan means what it says).

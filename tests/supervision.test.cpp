@@ -189,6 +189,22 @@ TEST_CASE("SIGSTOP past the heartbeat bound: treated as failed, fenced after SIG
   check_identical(j, 3);
 }
 
+TEST_CASE("a hung computation: the step watchdog ends the rank, the others go on") {
+  auto j = launch("-n 3 --restart-delay-ms 100 --step-timeout-ms 1000 --chaos hang@5:1");
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  CHECK(j.r.output.find("step watchdog: rank 1 computed for more than 1000 ms")
+        != std::string::npos);
+  int exit = find_event(j.events, 0, "worker_exit", [](auto& e) {
+    return e.num("rank") == 1 && e.field("status").find("watchdog") != std::string::npos;
+  });
+  REQUIRE(exit >= 0);
+  CHECK(find_event(j.events, 0, "epoch", [](auto& e) { return e.field("left") == "[1]"; }) >= 0);
+  CHECK(find_event(j.events, exit, "epoch", [](auto& e) { return e.field("joined") == "[1]"; })
+        >= 0);
+  check_identical(j, 3);
+}
+
 TEST_CASE("every group dead, or too many at once: a clear error, nothing committed after") {
   SUBCASE("every group dead") {
     auto j = launch("-n 2 --max-restarts 0 --chaos kill@5:0,kill@5:1");

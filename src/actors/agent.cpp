@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -77,6 +78,7 @@ struct agent::impl {
   std::map<uint64_t, session_ptr> sessions; // as source, by session id
   wire::worker_status status;
   bool announce_commit = false; // the first commit of an epoch is beaconed at once
+  int64_t computing_since = 0;  // mono_ns of the running computation's start, 0: none
   std::thread beacon;
 
   impl(agent_options opts, coordinator_client c, std::shared_ptr<coll::host_context> x)
@@ -168,6 +170,18 @@ bool agent::impl::reconnect() {
 void agent::impl::run_beacon() {
   std::unique_lock lk(mu);
   while (!stopping) {
+    if (o.step_timeout.count() > 0 && computing_since != 0
+        && mono_ns() - computing_since > o.step_timeout.count() * 1000000) {
+      // The step watchdog: this rank's computation hangs. Say so and end
+      // the process; its peers are told by its closed connection at once.
+      auto why = fmt::format("step watchdog: rank {} computed for more than {} ms", o.rank,
+                             o.step_timeout.count());
+      lk.unlock();
+      spdlog::error("agent: {}; ending the process", why);
+      (void) client()->report({o.rank, "failed", why, mono_ns()});
+      std::this_thread::sleep_for(std::chrono::milliseconds(50)); // let the report leave
+      std::_Exit(exit_hung);
+    }
     bool lost = !connected;
     lk.unlock();
     if (lost && o.coordinator)
@@ -502,6 +516,11 @@ void agent::finished(uint64_t step, const wire::report& done) {
   }
   impl_->set_status(wire::worker_status::training, step);
   (void) impl_->client()->report(done);
+}
+
+void agent::computing(bool on) {
+  std::lock_guard lk(impl_->mu);
+  impl_->computing_since = on ? mono_ns() : 0;
 }
 
 uint64_t agent::newest_epoch() const {

@@ -46,6 +46,10 @@ struct agent_options {
   /// Committed updates queued for one joiner before its stream is cut.
   size_t stream_max = 64;
   coll::host_options host;
+  /// Step watchdog: a computation of one step longer than this is a hang
+  /// of this rank; the agent reports it and ends the process (exit_hung) so
+  /// that the survivors go on and the launcher restarts it. 0: off.
+  std::chrono::milliseconds step_timeout{0};
   /// Chunk of the catch-up transfers (a two-member broadcast).
   size_t catchup_chunk_bytes = size_t{8} << 20;
   /// Where the coordinator is and how this worker registered: when the
@@ -58,6 +62,9 @@ struct agent_options {
 
 /// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).
 uint64_t catchup_epoch(uint64_t session);
+
+/// Exit code of a worker that its step watchdog found hung.
+constexpr int exit_hung = 5;
 
 class agent final : public supervision {
 public:
@@ -83,6 +90,7 @@ public:
   uint64_t newest_epoch() const override;
   void at_boundary(const train_state& state) override;
   void committed(uint64_t k, std::span<const float> update) override;
+  void computing(bool on) override;
 
   struct impl;
 

@@ -12,11 +12,22 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
+#include <chrono>
 #include <deque>
+#include <thread>
 
 namespace cmesh::actors {
 
 namespace {
+
+std::atomic<bool> hang_requested{false};
+
+/// A chaos hang: the computation never ends (until the process is killed).
+void maybe_hang() {
+  while (hang_requested.load(std::memory_order_relaxed))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
 
 double now_s() {
   return static_cast<double>(mono_ns()) / 1e9;
@@ -47,6 +58,10 @@ double imbalance(const std::vector<float>& loads, size_t experts) {
 }
 
 } // namespace
+
+void request_hang() {
+  hang_requested.store(true, std::memory_order_relaxed);
+}
 
 struct trainer::impl {
   trainer_options o;
@@ -237,6 +252,9 @@ expected<train_result> trainer::run() {
         stats[3 + i] += static_cast<float>(s.expert_load[i]);
     };
     caf::error latched;
+    if (I.sup)
+      I.sup->computing(true);
+    maybe_hang();
     net.zero_gradients();
     if (tc.exact) {
       // Each micro-batch's gradient is one contribution, turned into fixed
@@ -251,11 +269,15 @@ expected<train_result> trainer::run() {
       }
       if (mine.empty())
         net.zero_gradients();
+      if (I.sup)
+        I.sup->computing(false);
       I.collective(latched,
                    [&] { return coll::exact_all_reduce(comm, spans, grads, micro_total); });
     } else {
       for (auto m : mine)
         account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m)));
+      if (I.sup)
+        I.sup->computing(false);
       I.collective(latched, [&] {
         return comm.all_reduce(grads.data(), grads.size(), coll::dtype::float32,
                                coll::reduce_op::sum);

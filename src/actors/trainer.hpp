@@ -98,7 +98,16 @@ public:
 
   /// After the commit of step `k`, with the update that was applied.
   virtual void committed(uint64_t k, std::span<const float> update) = 0;
+
+  /// The trainer enters (true) or leaves (false) its local computation of a
+  /// step: a step watchdog times it (collectives wait on others; compute
+  /// that does not end is a hang of this rank).
+  virtual void computing(bool) {}
 };
+
+/// Chaos support: makes the trainer's next computation hang for good (a
+/// stuck kernel), so the step watchdog can be tested. Async-signal-safe.
+void request_hang();
 
 struct trainer_options {
   model::run_config config;

@@ -1,5 +1,6 @@
 #include "cli/commands.hpp"
 
+#include "actors/agent.hpp"
 #include "actors/supervisor.hpp"
 #include "chaos/plan.hpp"
 #include "cli/ring.hpp"
@@ -226,6 +227,7 @@ std::vector<std::string> worker_args(const job_options& job) {
     a.push_back("--exact");
   if (t.replicas != 0)
     a.insert(a.end(), {"--replicas", std::to_string(t.replicas)});
+  a.insert(a.end(), {"--step-timeout-ms", std::to_string(job.supervise.step_timeout_ms)});
   return a;
 }
 
@@ -233,6 +235,8 @@ std::vector<std::string> worker_args(const job_options& job) {
 std::string exit_text(int status) {
   if (exit_code_of(status) == exit_fenced)
     return "fenced out of the job (exit 4)";
+  if (exit_code_of(status) == actors::exit_hung)
+    return "hung: ended by its step watchdog (exit 5)";
   return describe_wait_status(status);
 }
 
@@ -253,6 +257,13 @@ int run_worker(const job_options& job) {
     }
     config = std::move(*cfg);
   }
+  if (job.job == "train") {
+    // Chaos support (hang@STEP:RANK): SIGUSR1 hangs the trainer's next step.
+    struct sigaction sa {};
+    sa.sa_handler = [](int) { actors::request_hang(); };
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR1, &sa, nullptr);
+  }
   join_options jo;
   jo.connect_transport = job.job != "train";
   auto j = join_mesh(jo);
@@ -262,7 +273,8 @@ int run_worker(const job_options& job) {
     return c == errc::invalid_argument ? 2 : 3;
   }
   if (job.job == "train") {
-    auto rc = run_training(*j, *config, std::chrono::seconds(job.timeout_s));
+    auto rc = run_training(*j, *config, std::chrono::seconds(job.timeout_s),
+                           std::chrono::milliseconds(job.supervise.step_timeout_ms));
     j->net->stop();
     if (!rc) {
       fail_line(fmt::format("rank {}: {}", j->place.rank, describe(rc.error())));
@@ -398,6 +410,8 @@ int run_launch(const job_options& job) {
           if (!v.catchup_source || others_live(*v.catchup_source) == 0)
             break;
           signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
+        } else if (a.kind == chaos::action_kind::hang) {
+          signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill) {
           if (a.survivable && others_live(a.rank) == 0)
             fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: it is the last live "

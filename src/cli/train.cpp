@@ -59,7 +59,7 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config,
-                           std::chrono::seconds timeout) {
+                           std::chrono::seconds timeout, std::chrono::milliseconds step_timeout) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
   auto report_failure = [&](const caf::error& e) {
@@ -79,6 +79,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
   ao.incarnation = j.incarnation;
   ao.coordinator = j.coordinator_address;
   ao.registration = j.registration;
+  ao.step_timeout = step_timeout;
   // The agent owns the coordinator connection from here on (it reconnects
   // to a coordinator that restarts).
   actors::agent agent(ao, std::move(j.coordinator), *ctx);

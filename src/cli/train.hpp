@@ -29,7 +29,8 @@ expected<model::run_config> resolve_config(const train_flags& f, size_t world_si
 /// waits for its shutdown. Returns the exit code: the shutdown's, or
 /// exit_fenced when this incarnation was left out of an epoch.
 expected<int> run_training(joined_mesh& j, const model::run_config& config,
-                           std::chrono::seconds timeout);
+                           std::chrono::seconds timeout,
+                           std::chrono::milliseconds step_timeout = std::chrono::milliseconds(0));
 
 /// Exit code of a worker fenced out of the job (it may be restarted).
 constexpr int exit_fenced = 4;
