@@ -208,6 +208,7 @@ struct coordinator::impl {
   parked_map waiting;
   bool stopping = false;
   bool table_sent = false;
+  std::optional<wire::shutdown> shutdown_sent; // I/O thread: the job is over
   uint64_t epoch = 0;
 
   // Shared with callers' threads.
@@ -465,6 +466,11 @@ caf::error coordinator::impl::dispatch(const conn_ptr& c, const wire::frame_view
 }
 
 void coordinator::impl::on_register(const conn_ptr& c, const wire::register_worker& m) {
+  if (shutdown_sent) {
+    // A worker (re)started after the job ended: it has nothing to do.
+    spdlog::info("coordinator: rank {} registered after the shutdown; telling it", m.rank);
+    return send(c, *shutdown_sent);
+  }
   std::string problem;
   size_t live = 0;
   {
@@ -811,6 +817,7 @@ void coordinator::broadcast_shutdown(int32_t exit_code, const std::string& reaso
   asio::post(s->ioc, [s, msg = wire::shutdown{exit_code, reason}] {
     spdlog::info("coordinator: shutdown (exit code {}: {}) to {} connections", msg.exit_code,
                  msg.reason, s->conns.size());
+    s->shutdown_sent = msg; // late registrations are told too
     for (auto& c : std::vector<impl::conn_ptr>(s->conns.begin(), s->conns.end()))
       s->send(c, msg);
   });

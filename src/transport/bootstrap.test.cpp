@@ -363,6 +363,25 @@ TEST_CASE("broadcast_shutdown reaches every worker's wait_shutdown") {
   }
 }
 
+TEST_CASE("a worker that registers after the shutdown is told the job is over") {
+  auto coord = start_coordinator(2);
+  auto a = std::async(std::launch::async, [&] {
+    auto client = connect_to(*coord);
+    return static_cast<bool>(client.register_and_wait(worker(1, 2), guard));
+  });
+  auto client = connect_to(*coord);
+  REQUIRE(client.register_and_wait(worker(0, 2), guard));
+  REQUIRE(a.get());
+  coord->broadcast_shutdown(0, "job done");
+  REQUIRE(client.wait_shutdown(guard));
+  // A replacement started just as the job ended: no peer table, a shutdown.
+  auto late = connect_to(*coord);
+  auto t = late.register_and_wait(worker(1, 2, 2), guard);
+  REQUIRE_FALSE(t);
+  CHECK(code_of(t.error()) == errc::closed);
+  CHECK(describe(t.error()).find("job done") != std::string::npos);
+}
+
 TEST_CASE("stopping the coordinator makes wait_shutdown return closed") {
   auto coord = start_coordinator(1);
   auto client = connect_to(*coord);
