@@ -82,6 +82,35 @@ struct supervisor::impl {
   bool adopt(int64_t now);
   void assign_catch_ups(int64_t now);
   void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
+
+  /// The notice of the current epoch: its ranks and their incarnations.
+  wire::epoch_notice current_notice(std::string reason) const {
+    wire::epoch_notice n;
+    n.epoch = current.id;
+    n.reason = std::move(reason);
+    for (auto& m : current.members) {
+      n.ranks.push_back(m.group);
+      n.incarnations.push_back(m.incarnation);
+    }
+    return n;
+  }
+
+  /// Pushes the (new) current epoch to every worker, starts timing its
+  /// first commit from `base_step`, and logs it.
+  void announce_epoch(int64_t now, uint64_t base_step, const std::string& reason,
+                      std::vector<uint32_t> joined, std::vector<uint32_t> left) {
+    auto n = current_notice(reason);
+    coord.send_control(std::nullopt, n);
+    epoch_started_ms = now;
+    epoch_base_step = base_step;
+    first_commit_seen = false;
+    log->emit("epoch", {{"epoch", current.id},
+                        {"members", n.ranks},
+                        {"joined", std::move(joined)},
+                        {"left", std::move(left)},
+                        {"step", base_step},
+                        {"reason", reason}});
+  }
   void say(const std::string& line) {
     if (!o.print)
       return spdlog::info("supervisor: {}", line);
@@ -99,13 +128,7 @@ void supervisor::impl::lost(uint32_t rank, worker& w, const std::string& why, in
   if (member) {
     last_failure_ms = now;
     // Its peers stop waiting for it now, even if no new epoch can form yet.
-    wire::epoch_notice n;
-    n.epoch = current.id;
-    for (auto& m : current.members) {
-      n.ranks.push_back(m.group);
-      n.incarnations.push_back(m.incarnation);
-    }
-    n.reason = fmt::format("rank {} lost: {}", rank, why);
+    auto n = current_notice(fmt::format("rank {} lost: {}", rank, why));
     n.lost = {rank};
     coord.send_control(std::nullopt, n);
   }
@@ -203,31 +226,14 @@ bool supervisor::impl::adopt(int64_t now) {
   current = adopted;
   say(fmt::format("adopted epoch {} {} from the workers", e, recovery::to_string(current.members)));
   log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members)}});
-  {
-    // The members of the running epoch that died while the coordinator
-    // was away are unknown: a new epoch of those heard from drops them (the
-    // others' running step is aborted and retried), and costs the healthy
-    // case only a switch at the next step boundary.
-    current.id = e + 1;
-    wire::epoch_notice n;
-    n.epoch = current.id;
-    n.reason = fmt::format("epoch {} re-formed after the coordinator returned", current.id);
-    for (auto& m : current.members) {
-      n.ranks.push_back(m.group);
-      n.incarnations.push_back(m.incarnation);
-    }
-    coord.send_control(std::nullopt, n);
-    epoch_started_ms = now;
-    epoch_base_step = max_member_step;
-    first_commit_seen = false;
-    log->emit("epoch", {{"epoch", current.id},
-                        {"members", n.ranks},
-                        {"joined", std::vector<uint32_t>{}},
-                        {"left", std::vector<uint32_t>{}},
-                        {"step", max_member_step},
-                        {"reason", n.reason}});
-    say(n.reason);
-  }
+  // The members of the running epoch that died while the coordinator was
+  // away are unknown: a new epoch of those heard from drops them (the
+  // others' running step is aborted and retried), and costs the healthy
+  // case only a switch at the next step boundary.
+  current.id = e + 1;
+  auto reason = fmt::format("epoch {} re-formed after the coordinator returned", current.id);
+  announce_epoch(now, max_member_step, reason, {}, {});
+  say(reason);
   return true;
 }
 
@@ -297,26 +303,10 @@ void supervisor::impl::decide(int64_t now) {
       break;
     case recovery::decision_kind::new_epoch: {
       current = d.epoch;
-      wire::epoch_notice n;
-      n.epoch = current.id;
-      n.reason = d.reason;
       uint64_t base = 0;
-      for (auto& m : current.members) {
-        n.ranks.push_back(m.group);
-        n.incarnations.push_back(m.incarnation);
-        auto& w = workers[m.group];
-        base = std::max(base, w.st.step);
-      }
-      coord.send_control(std::nullopt, n);
-      epoch_started_ms = now;
-      epoch_base_step = base;
-      first_commit_seen = false;
-      log->emit("epoch", {{"epoch", current.id},
-                          {"members", n.ranks},
-                          {"joined", ranks_of(d.joined)},
-                          {"left", ranks_of(d.left)},
-                          {"step", base},
-                          {"reason", d.reason}});
+      for (auto& m : current.members)
+        base = std::max(base, workers[m.group].st.step);
+      announce_epoch(now, base, d.reason, ranks_of(d.joined), ranks_of(d.left));
       for (auto& m : d.joined)
         if (workers[m.group].ready_since_ms != 0)
           log->emit("catchup_end", {{"rank", uint64_t{m.group}},
