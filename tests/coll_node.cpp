@@ -6,7 +6,7 @@
 //                                            then rebuild without it and check
 //   cmesh_test_coll stop <victim>            all_reduces with a short timeout
 //   cmesh_test_coll abort                    abort from another thread
-//   cmesh_test_coll exact                    exact mode over 4x1, 2x2, 1x4
+//   cmesh_test_coll exact                    exact mode over 4x1, 2x2, 1x4, and sharded 2x2
 #include "collectives/exact.hpp"
 #include "core/hash.hpp"
 #include "collectives/host/host_communicator.hpp"
@@ -339,6 +339,37 @@ int run_exact(node& nd) {
       auto ov = exact_all_reduce(*comm, one, out, 4);
       nd.report("exact_overflow", std::string(to_string(code_of(ov))));
     }
+  }
+  // HSDP: 2 groups x 2 ranks, each rank keeps one shard of the sum; the
+  // group and the shard's holders are subcommunicators of everyone, on
+  // host contexts of their own. The gathered shards give the same bits.
+  {
+    auto world = nd.make({14, {0, 1, 2, 3}});
+    std::vector<std::shared_ptr<host_context>> ctxs;
+    for (int i = 0; i < 2; ++i) {
+      auto c = host_context::create(nd.rank);
+      if (!c) {
+        nd.report("exact_sharded", "FAIL " + describe(c.error()));
+        return 0;
+      }
+      ctxs.push_back(std::move(*c));
+    }
+    const uint32_t g = nd.rank / 2, p = nd.rank % 2;
+    auto group = make_host_subcommunicator(*world, ctxs[0], {14, {2 * g, 2 * g + 1}}, nd.status());
+    auto cross = make_host_subcommunicator(*world, ctxs[1], {14, {p, p + 2}}, nd.status());
+    if (!group || !cross) {
+      nd.report("exact_sharded", "FAIL " + describe(!group ? group.error() : cross.error()));
+      return 0;
+    }
+    std::vector<std::span<const float>> mine{grads[nd.rank]};
+    std::vector<size_t> counts{50000, count - 50000};
+    std::vector<float> out(count);
+    auto e = exact_reduce_scatter(*world, **group, **cross, mine, count, counts,
+                                  std::span<float>(out).subspan(p * 50000, counts[p]), 4);
+    if (!e)
+      e = (*group)->all_gather(out.data() + p * 50000, out.data(), counts, dtype::float32);
+    nd.report("exact_sharded",
+              e ? "FAIL " + describe(e) : fmt::format("{:016x}", XXH64(out.data(), count * 4, 0)));
   }
   return 0;
 }

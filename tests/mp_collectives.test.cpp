@@ -96,12 +96,12 @@ TEST_CASE("abort from another thread returns promptly") {
   CHECK(a.after == "poisoned");
 }
 
-TEST_CASE("exact mode: 4x1, 2x2 and 1x4 give bit-identical sums; overflow is a typed error") {
+TEST_CASE("exact mode: 4x1, 2x2, 1x4 and sharded 2x2 give bit-identical sums; overflow is a typed error") {
   node_harness h(4);
   h.spawn_all("cmesh_test_coll", {"exact"});
   std::map<std::string, std::set<std::string>> seen;
   for (auto [key, ranks] : std::vector<std::pair<std::string, uint32_t>>{
-         {"exact4x1", 4}, {"exact2x2", 2}, {"exact1x4", 1}}) {
+         {"exact4x1", 4}, {"exact2x2", 2}, {"exact1x4", 1}, {"exact_sharded", 4}}) {
     for (uint32_t r = 0; r < ranks; ++r) {
       auto rep = h.report(r, key, 120s);
       REQUIRE(rep);

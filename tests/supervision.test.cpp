@@ -143,6 +143,35 @@ TEST_CASE("SIGKILL a rank: the survivors go on, the restarted rank catches up an
   check_identical(j, 3);
 }
 
+TEST_CASE("2 groups x 2 ranks: SIGKILL one rank; the other group goes on, the group rejoins") {
+  auto j = launch("-n 4 --replicas 2 --restart-delay-ms 200 --chaos kill@5:3");
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  auto& ev = j.events;
+  // Rank 3 dies: its whole group (ranks 2 and 3) leaves the epoch, rank 2
+  // is fenced; group 0 commits on; both ranks of group 1 restart, each
+  // catches up from the member holding its shard, and the group rejoins.
+  int kill = find_event(ev, 0, "chaos", [](auto& e) { return e.field("signal") == "\"SIGKILL\""; });
+  REQUIRE(kill >= 0);
+  int shrink = find_event(ev, kill, "epoch", [](auto& e) { return e.field("left") == "[2,3]"; });
+  REQUIRE(shrink >= 0);
+  CHECK(ev[shrink].field("members") == "[0,1]");
+  int commit = find_event(ev, shrink, "first_commit", [](auto&) { return true; });
+  REQUIRE(commit >= 0);
+  MESSAGE("2x2: kill -> survivors' next commit: " << ev[commit].num("since_failure_ms") << " ms");
+  CHECK(ev[commit].num("since_failure_ms") < 10000); // catches hangs, not a timing goal
+  for (int64_t r : {2, 3}) {
+    CAPTURE(r);
+    int start = find_event(ev, shrink, "catchup_start", [&](auto& e) { return e.num("rank") == r; });
+    REQUIRE(start >= 0);
+    CHECK(ev[start].num("source") == r - 2); // the same position in group 0
+  }
+  int grow = find_event(ev, shrink, "epoch", [](auto& e) { return e.field("joined") == "[2,3]"; });
+  REQUIRE(grow >= 0);
+  CHECK(ev[grow].field("members") == "[0,1,2,3]");
+  check_identical(j, 4);
+}
+
 TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights bit-identical") {
   auto seed = test_seed();
   MESSAGE("chaos seed " << seed << " (CMESH_SEED=" << seed << " replays it)");

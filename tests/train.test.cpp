@@ -40,37 +40,52 @@ run_result train(const std::string& args) {
 
 } // namespace
 
-TEST_CASE("the loss falls below the threshold at 1x1 and 2x1") {
-  for (int n : {1, 2}) {
-    CAPTURE(n);
-    auto r = train("-n " + std::to_string(n) + " --steps " + std::to_string(threshold_steps)
+/// `cmesh launch` arguments of a layout R x S (replica groups x ranks each).
+std::string layout(int replicas, int per_group) {
+  return "-n " + std::to_string(replicas * per_group) + " --replicas " + std::to_string(replicas);
+}
+
+TEST_CASE("the loss falls below the threshold at 1x1, 2x1 and 2x2") {
+  for (auto [R, S] : {std::pair{1, 1}, {2, 1}, {2, 2}}) {
+    CAPTURE(R);
+    CAPTURE(S);
+    auto r = train(layout(R, S) + " --steps " + std::to_string(threshold_steps)
                    + " --log-every 25");
     auto loss = std::stod(field(r.output, "loss"));
-    MESSAGE(n << "x1: loss " << loss << " after " << threshold_steps << " steps, "
+    MESSAGE(R << "x" << S << ": loss " << loss << " after " << threshold_steps << " steps, "
               << field(r.output, "tokens/s") << " tokens/s");
     CHECK(loss < loss_threshold);
   }
 }
 
-TEST_CASE("with the same global batch the 2x1 loss curve matches 1x1") {
+TEST_CASE("with the same global batch the 2x1 and 2x2 loss curves match 1x1") {
   auto one = loss_curve(train("-n 1 --steps 40 --log-every 5").output);
-  auto two = loss_curve(train("-n 2 --steps 40 --log-every 5").output);
   REQUIRE(one.size() >= 8);
-  REQUIRE(one.size() == two.size());
-  double worst = 0;
-  for (auto [step, loss] : one)
-    worst = std::max(worst, std::abs(loss - two.at(step)));
-  MESSAGE("largest difference in loss: " << worst);
-  CHECK(worst < 0.02); // only float summation order differs
+  for (auto [R, S] : {std::pair{2, 1}, {2, 2}}) {
+    auto other = loss_curve(train(layout(R, S) + " --steps 40 --log-every 5").output);
+    REQUIRE(one.size() == other.size());
+    double worst = 0;
+    for (auto [step, loss] : one)
+      worst = std::max(worst, std::abs(loss - other.at(step)));
+    MESSAGE(R << "x" << S << ": largest difference in loss from 1x1: " << worst);
+    CHECK(worst < 0.02); // only float summation order differs
+  }
 }
 
 TEST_CASE("exact mode: final weights are bit-identical across layouts") {
   std::set<std::string> weights;
-  for (int n : {1, 2, 4}) {
-    auto r = train("-n " + std::to_string(n) + " --exact --steps 12 --log-every 4");
+  for (auto [R, S] : {std::pair{1, 1}, {2, 1}, {4, 1}, {1, 2}, {2, 2}}) {
+    auto r = train(layout(R, S) + " --exact --steps 12 --log-every 4");
     auto w = field(r.output, "weights");
-    MESSAGE(n << "x1 exact: weights " << w);
+    MESSAGE(R << "x" << S << " exact: weights " << w);
     REQUIRE(w.size() == 16);
+    // Every rank ends with the same full weights.
+    std::regex re("rank [0-9]+ done [^\n]*weights=([0-9a-f]+)");
+    int ranks = 0;
+    for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
+         it != std::sregex_iterator(); ++it, ++ranks)
+      CHECK((*it)[1].str() == w);
+    CHECK(ranks == R * S);
     weights.insert(w);
   }
   CHECK(weights.size() == 1);

@@ -1,11 +1,13 @@
 #include "actors/agent.hpp"
 
+#include "core/check.hpp"
 #include "core/env.hpp"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <condition_variable>
 #include <deque>
@@ -72,6 +74,18 @@ struct agent::impl {
   std::map<uint32_t, uint64_t> lost_count;  // rank -> losses heard of (any incarnation)
   uint64_t join_done = 0;                   // sessions handled as joiner up to here
   std::unique_ptr<coll::communicator> comm; // the current epoch's
+  /// Parts of the current epoch (a replica group; a shard's holders), each
+  /// on a host context of its own, built lazily.
+  std::array<std::shared_ptr<coll::host_context>, 2> part_ctx;
+  std::array<std::unique_ptr<coll::communicator>, 2> parts;
+  /// Aborts the current epoch's communicator and its parts (mu held).
+  void abort_epoch(const caf::error& why) {
+    if (comm)
+      comm->abort(why);
+    for (auto& p : parts)
+      if (p)
+        p->abort(why);
+  }
   coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
   uint32_t join_source = 0;
   uint64_t join_losses_before = 0;          // lost_count[join_source] when it began
@@ -212,7 +226,7 @@ coll::peer_status agent::impl::member_status(uint64_t epoch) {
 void agent::impl::abort_if_left_out() {
   if (failed) {
     if (comm)
-      comm->abort(make_error(errc::unrecoverable, failed->reason));
+      abort_epoch(make_error(errc::unrecoverable, failed->reason));
     if (join_comm)
       join_comm->abort(make_error(errc::unrecoverable, failed->reason));
     return;
@@ -220,7 +234,7 @@ void agent::impl::abort_if_left_out() {
   if (comm) {
     for (auto r : comm->members().ranks) {
       if (auto it = lost.find(r); it != lost.end() && it->second >= comm->members().epoch) {
-        comm->abort(make_error(errc::peer_lost,
+        abort_epoch(make_error(errc::peer_lost,
                                fmt::format("rank {} was lost in epoch {}", r, it->second)));
         break;
       }
@@ -238,7 +252,7 @@ void agent::impl::abort_if_left_out() {
       bool stays = has_rank(*newest, r)
                    && (r != o.rank || includes(*newest, o.rank, o.incarnation));
       if (!stays) {
-        comm->abort(make_error(errc::peer_lost, fmt::format("epoch {} left out rank {} ({})",
+        abort_epoch(make_error(errc::peer_lost, fmt::format("epoch {} left out rank {} ({})",
                                                             newest->epoch, r, newest->reason)));
         break;
       }
@@ -491,7 +505,7 @@ void agent::stop() {
       return;
     I.stopping = true;
     if (I.comm)
-      I.comm->abort(make_error(errc::closed, "the agent is stopping"));
+      I.abort_epoch(make_error(errc::closed, "the agent is stopping"));
     if (I.join_comm)
       I.join_comm->abort(make_error(errc::closed, "the agent is stopping"));
     for (auto& [id, s] : I.sessions) {
@@ -663,6 +677,8 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
         deadline = clock_type::now() + I.o.epoch_wait;
         continue;
       }
+      for (auto& p : I.parts)
+        p.reset(); // the last epoch's parts (the trainer is done with them)
       I.comm = std::move(*c);
       I.abort_if_left_out(); // an epoch newer still may have come meanwhile
       I.status.state = wire::worker_status::training;
@@ -681,6 +697,39 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
                                     std::chrono::duration_cast<std::chrono::seconds>(I.o.epoch_wait)
                                       .count()));
   }
+}
+
+expected<coll::communicator*> agent::sub_communicator(size_t slot, coll::membership part) {
+  auto& I = *impl_;
+  CMESH_CHECK_LT(slot, I.parts.size());
+  coll::communicator* world = nullptr;
+  std::shared_ptr<coll::host_context> ctx;
+  uint64_t epoch = 0;
+  {
+    std::lock_guard lk(I.mu);
+    if (!I.comm)
+      return make_error(errc::invalid_argument, "no epoch to split");
+    world = I.comm.get();
+    epoch = world->members().epoch;
+    if (!I.part_ctx[slot]) {
+      auto c = coll::host_context::create(I.o.rank);
+      if (!c)
+        return c.error();
+      I.part_ctx[slot] = std::move(*c);
+    }
+    ctx = I.part_ctx[slot];
+  }
+  auto c = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
+                                           I.o.host);
+  if (!c)
+    return c.error();
+  std::lock_guard lk(I.mu);
+  I.parts[slot] = std::move(*c);
+  // A loss or a newer epoch that came while it was built reaches it too.
+  if (auto p = world->poisoned())
+    I.parts[slot]->abort(p);
+  I.abort_if_left_out();
+  return I.parts[slot].get();
 }
 
 } // namespace cmesh::actors

@@ -91,6 +91,7 @@ public:
   void at_boundary(const train_state& state) override;
   void committed(uint64_t k, std::span<const float> update) override;
   void computing(bool on) override;
+  expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) override;
 
   struct impl;
 

@@ -22,10 +22,12 @@ int64_t now_ms() {
 
 constexpr int64_t long_ago = std::numeric_limits<int64_t>::min() / 4;
 
-std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms) {
+/// The ranks of groups `ms` (S ranks each, group g holds g*S .. g*S+S-1).
+std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms, uint32_t S) {
   std::vector<uint32_t> out;
   for (auto& m : ms)
-    out.push_back(m.group);
+    for (uint32_t p = 0; p < S; ++p)
+      out.push_back(m.group * S + p);
   return out;
 }
 
@@ -54,7 +56,11 @@ struct supervisor::impl {
   bool stopping = false;
   bool dirty = true;
   std::map<uint32_t, worker> workers;
-  recovery::epoch current;
+  recovery::epoch current; // its members are replica groups
+  /// The ranks of the current epoch and their incarnations. A group's
+  /// incarnation is the newest of its ranks': a restarted rank makes its
+  /// whole group a new member.
+  std::map<uint32_t, uint64_t> member_ranks;
   recovery::quorum_decision last;
   int64_t waiting_since_ms = 0; // a broken epoch waiting for a quorum, since
   int64_t adopt_seen_ms = 0;    // a restarted coordinator first heard of a running epoch
@@ -71,9 +77,19 @@ struct supervisor::impl {
   impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
       : coord(c), o(std::move(opts)), log(std::move(l)) {}
 
+  uint32_t S() const { return std::max<uint32_t>(1, o.ranks_per_group); }
+
   bool is_member(uint32_t rank, uint64_t inc) const {
-    return std::any_of(current.members.begin(), current.members.end(),
-                       [&](auto& m) { return m.group == rank && m.incarnation == inc; });
+    auto it = member_ranks.find(rank);
+    return it != member_ranks.end() && it->second == inc;
+  }
+
+  /// Makes `e` current; its groups' ranks with their present incarnations.
+  void set_current(recovery::epoch e) {
+    current = std::move(e);
+    member_ranks.clear();
+    for (auto r : ranks_of(current.members, S()))
+      member_ranks[r] = workers[r].incarnation;
   }
 
   void on_event(const worker_event& ev);
@@ -88,9 +104,9 @@ struct supervisor::impl {
     wire::epoch_notice n;
     n.epoch = current.id;
     n.reason = std::move(reason);
-    for (auto& m : current.members) {
-      n.ranks.push_back(m.group);
-      n.incarnations.push_back(m.incarnation);
+    for (auto& [rank, inc] : member_ranks) {
+      n.ranks.push_back(rank);
+      n.incarnations.push_back(inc);
     }
     return n;
   }
@@ -213,19 +229,26 @@ bool supervisor::impl::adopt(int64_t now) {
   for (auto& [rank, w] : workers)
     if (w.connected && w.has_status && w.st.incarnation == w.incarnation)
       e = std::max(e, w.st.epoch);
+  // A group is adopted when all its ranks still train in that epoch.
   recovery::epoch adopted{e, {}};
+  std::map<uint32_t, std::pair<uint32_t, uint64_t>> groups; // group -> (ranks, incarnation)
   for (auto& [rank, w] : workers) {
     if (!w.connected || !w.has_status || w.st.epoch != e)
       continue;
     if (w.st.state != wire::worker_status::training
         && w.st.state != wire::worker_status::recovering)
       continue;
-    adopted.members.push_back({rank, w.incarnation});
+    auto& g = groups[rank / S()];
+    g.first += 1;
+    g.second = std::max(g.second, w.incarnation);
     max_member_step = std::max(max_member_step, w.st.step);
   }
-  current = adopted;
+  for (auto& [g, v] : groups)
+    if (v.first == S())
+      adopted.members.push_back({g, v.second});
+  set_current(adopted);
   say(fmt::format("adopted epoch {} {} from the workers", e, recovery::to_string(current.members)));
-  log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members)}});
+  log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members, S())}});
   // The members of the running epoch that died while the coordinator was
   // away are unknown: a new epoch of those heard from drops them (the
   // others' running step is aborted and retried), and costs the healthy
@@ -243,30 +266,60 @@ void supervisor::impl::decide(int64_t now) {
   recovery::quorum_state qs;
   qs.current = current;
   qs.expected_groups = o.groups;
-  for (auto& [rank, w] : workers) {
-    if (w.incarnation == 0)
-      continue;
-    bool member = is_member(rank, w.incarnation);
-    bool silent = recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms);
-    if (member && w.connected && silent)
+  // Deaths of member ranks.
+  for (auto& [rank, inc] : member_ranks) {
+    auto& w = workers[rank];
+    if (w.incarnation == inc && w.connected && !w.lost_reported
+        && recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
       lost(rank, w, fmt::format("silent for more than {} ms", o.quorum.heartbeat_timeout_ms), now);
-    // The dead count as silent from the moment they were found dead.
-    int64_t hb = (w.connected && !w.lost_reported)
-                   ? w.last_ms
-                   : std::min(w.last_ms, w.lost_ms - o.quorum.heartbeat_timeout_ms - 1);
-    if (member) {
-      qs.participants.push_back({{rank, w.incarnation}, hb, 0});
+  }
+  // One participant per replica group, from its S ranks.
+  std::map<uint32_t, bool> groups; // group -> a member of the current epoch
+  for (auto& [rank, w] : workers)
+    if (w.incarnation != 0)
+      groups[rank / S()] = false;
+  for (auto& m : current.members)
+    groups[m.group] = true;
+  const bool over = o.target_step != 0 && max_member_step >= o.target_step;
+  for (auto& [g, member] : groups) {
+    bool same = member, complete = true, all_joining = true, all_heard = true;
+    int64_t hb = std::numeric_limits<int64_t>::max(), joined = 0;
+    uint64_t inc = 0;
+    for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
+      auto it = workers.find(r);
+      if (it == workers.end() || it->second.incarnation == 0) {
+        complete = false;
+        break;
+      }
+      auto& w = it->second;
+      bool silent = recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms);
+      // The dead count as silent from the moment they were found dead.
+      hb = std::min(hb, (w.connected && !w.lost_reported)
+                          ? w.last_ms
+                          : std::min(w.last_ms, w.lost_ms - o.quorum.heartbeat_timeout_ms - 1));
+      inc = std::max(inc, w.incarnation);
+      same = same && is_member(r, w.incarnation);
+      bool joining = w.has_status && !w.lost_reported
+                     && ((w.ready_since_ms != 0 && !over)
+                         || (current.id == 0 && w.st.state == wire::worker_status::fresh
+                             && w.st.step == 0));
+      all_joining = all_joining && joining;
+      joined = std::max(joined, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms);
+      all_heard = all_heard && w.has_status && !w.lost_reported && w.connected && !silent;
+    }
+    if (same) {
+      auto m = std::find_if(current.members.begin(), current.members.end(),
+                            [&](auto& x) { return x.group == g; });
+      qs.participants.push_back({*m, hb, 0});
       continue;
     }
-    if (!w.has_status || w.lost_reported)
+    // Not a member (or a member superseded by a restarted rank, which then
+    // counts as lost): a joiner once every rank of it is ready.
+    if (!complete)
       continue;
-    bool over = o.target_step != 0 && max_member_step >= o.target_step;
-    bool joiner = (w.ready_since_ms != 0 && !over)
-                  || (current.id == 0 && w.st.state == wire::worker_status::fresh && w.st.step == 0);
-    if (joiner)
-      qs.participants.push_back(
-        {{rank, w.incarnation}, hb, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms});
-    else if (w.connected && !silent)
+    if (all_joining)
+      qs.participants.push_back({{g, inc}, hb, joined});
+    else if (all_heard)
       ++qs.heard_not_ready; // catching up: heard from, not eligible yet
   }
   auto d = recovery::compute_quorum(qs, now, o.quorum);
@@ -302,16 +355,16 @@ void supervisor::impl::decide(int64_t now) {
       }
       break;
     case recovery::decision_kind::new_epoch: {
-      current = d.epoch;
+      set_current(d.epoch);
       uint64_t base = 0;
-      for (auto& m : current.members)
-        base = std::max(base, workers[m.group].st.step);
-      announce_epoch(now, base, d.reason, ranks_of(d.joined), ranks_of(d.left));
-      for (auto& m : d.joined)
-        if (workers[m.group].ready_since_ms != 0)
-          log->emit("catchup_end", {{"rank", uint64_t{m.group}},
+      for (auto& [rank, inc] : member_ranks)
+        base = std::max(base, workers[rank].st.step);
+      announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()));
+      for (auto r : ranks_of(d.joined, S()))
+        if (workers[r].ready_since_ms != 0)
+          log->emit("catchup_end", {{"rank", uint64_t{r}},
                                     {"epoch", current.id},
-                                    {"session", workers[m.group].st.session}});
+                                    {"session", workers[r].st.session}});
       say(fmt::format("epoch {} {} from step {}: {}", current.id,
                       recovery::to_string(current.members), base, d.reason));
       break;
@@ -323,26 +376,29 @@ void supervisor::impl::decide(int64_t now) {
 void supervisor::impl::assign_catch_ups(int64_t now) {
   if (current.id == 0 || failed)
     return;
-  std::vector<uint32_t> healthy;
-  for (auto& m : current.members) {
-    auto& w = workers[m.group];
-    if (w.connected && !w.lost_reported && w.incarnation == m.incarnation
+  // A joiner at position p of its group catches up from a member at p
+  // (it holds the same shard).
+  std::vector<std::vector<uint32_t>> healthy(S());
+  for (auto& [rank, inc] : member_ranks) {
+    auto& w = workers[rank];
+    if (w.connected && !w.lost_reported && w.incarnation == inc
         && !recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
-      healthy.push_back(m.group);
+      healthy[rank % S()].push_back(rank);
   }
-  if (healthy.empty())
-    return;
   for (auto& [rank, w] : workers) {
     if (!w.connected || w.lost_reported || !w.has_status || is_member(rank, w.incarnation))
       continue;
     // Fresh, and it has seen (and failed) our latest assignment, or had none.
     if (w.st.state != wire::worker_status::fresh || w.st.session < w.assigned_session)
       continue;
+    const auto& sources = healthy[rank % S()];
+    if (sources.empty())
+      continue;
     wire::catchup_assign a;
     a.session = ++next_session;
     a.joiner = rank;
     a.joiner_incarnation = w.incarnation;
-    a.source = healthy[a.session % healthy.size()];
+    a.source = sources[a.session % sources.size()];
     w.assigned_session = a.session;
     coord.send_control(a.joiner, a);
     coord.send_control(a.source, a);
@@ -404,7 +460,7 @@ std::optional<std::string> supervisor::failure() const {
 
 std::vector<uint32_t> supervisor::members() const {
   std::lock_guard lk(impl_->mu);
-  return ranks_of(impl_->current.members);
+  return ranks_of(impl_->current.members, impl_->S());
 }
 
 uint64_t supervisor::epoch() const {

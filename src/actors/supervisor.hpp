@@ -36,7 +36,8 @@
 namespace cmesh::actors {
 
 struct supervisor_options {
-  uint32_t groups = 1; // replica groups R (= ranks in this layout)
+  uint32_t groups = 1;          // replica groups R
+  uint32_t ranks_per_group = 1; // S: group g is ranks g*S .. g*S+S-1
   /// The run's last step: once a member reached it, no joiner is admitted.
   uint64_t target_step = 0;
   recovery::quorum_options quorum{1, 500, 1500};

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <optional>
 #include <thread>
 
 namespace cmesh::actors {
@@ -59,6 +60,22 @@ double imbalance(const std::vector<float>& loads, size_t experts) {
 
 } // namespace
 
+shard_split split_shards(size_t n, size_t s, size_t block) {
+  CMESH_CHECK(s >= 1 && block >= 1);
+  shard_split out;
+  const size_t blocks = n / block, base = blocks / s, extra = blocks % s;
+  size_t at = 0;
+  for (size_t i = 0; i < s; ++i) {
+    size_t c = (base + (i < extra ? 1 : 0)) * block;
+    if (i + 1 == s)
+      c = n - at;
+    out.offsets.push_back(at);
+    out.counts.push_back(c);
+    at += c;
+  }
+  return out;
+}
+
 void request_hang() {
   hang_requested.store(true, std::memory_order_relaxed);
 }
@@ -66,15 +83,25 @@ void request_hang() {
 struct trainer::impl {
   trainer_options o;
   std::shared_ptr<const model::corpus> data;
-  coll::communicator* comm = nullptr; // the current epoch's
-  supervision* sup = nullptr;         // elastic runs only
-  std::vector<float> adam_m, adam_v;
+  coll::communicator* comm = nullptr;  // the current epoch's: every rank
+  coll::communicator* group = nullptr; // this rank's replica group (S > 1)
+  coll::communicator* cross = nullptr; // the ranks holding this shard (S > 1: else comm)
+  supervision* sup = nullptr;          // elastic runs only
+  shard_split shards;
+  size_t position = 0;                 // this rank's position in its group
+  std::vector<float> adam_m, adam_v;   // of this rank's shard
+  std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
   std::deque<std::pair<uint64_t, std::vector<float>>> recent; // committed updates, oldest first
+  /// The update of a step whose commit vote failed here: if the others saw
+  /// it pass, it is applied when the next epoch reconciles.
+  std::optional<std::pair<uint64_t, std::vector<float>>> pending;
   double comm_s = 0;
 
   impl(trainer_options opts, std::shared_ptr<const model::corpus> d)
       : o(std::move(opts)), data(std::move(d)) {}
+
+  size_t per_group() const { return std::max<size_t>(1, o.ranks_per_group); }
 
   /// A collective, timed; the first error latches (later ones are skipped).
   template <class F>
@@ -86,28 +113,38 @@ struct trainer::impl {
     comm_s += now_s() - t0;
   }
 
+  void init_state(size_t n, uint32_t rank) {
+    shards = split_shards(n, per_group(), norm_block);
+    position = rank % per_group();
+    adam_m.assign(shards.counts[position], 0.0f);
+    adam_v.assign(shards.counts[position], 0.0f);
+  }
+  std::span<float> shard_of(std::span<float> full) const {
+    return full.subspan(shards.offsets[position], shards.counts[position]);
+  }
+
   kernels::cpu::adamw_params hyper(uint64_t k) const;
   void apply(std::span<float> params, uint64_t k, std::span<const float> update);
   void remember(uint64_t k, std::span<const float> update);
+  caf::error split_epoch();
   caf::error reconcile(train_state& st);
+  expected<double> global_norm(std::span<const float> shard);
 };
 
 trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
                  std::shared_ptr<const model::corpus> data, coll::communicator& comm)
     : impl_(std::make_unique<impl>(std::move(opts), std::move(data))), model_(std::move(m)) {
+  CMESH_CHECK(impl_->per_group() == 1); // groups of several ranks need a supervision
   impl_->comm = &comm;
-  auto n = model_->parameters().size();
-  impl_->adam_m.assign(n, 0.0f);
-  impl_->adam_v.assign(n, 0.0f);
+  impl_->cross = &comm;
+  impl_->init_state(model_->parameters().size(), comm.members().ranks[comm.index()]);
 }
 
 trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
-                 std::shared_ptr<const model::corpus> data, supervision& sup)
+                 std::shared_ptr<const model::corpus> data, supervision& sup, uint32_t rank)
     : impl_(std::make_unique<impl>(std::move(opts), std::move(data))), model_(std::move(m)) {
   impl_->sup = &sup;
-  auto n = model_->parameters().size();
-  impl_->adam_m.assign(n, 0.0f);
-  impl_->adam_v.assign(n, 0.0f);
+  impl_->init_state(model_->parameters().size(), rank);
 }
 
 trainer::~trainer() = default;
@@ -140,28 +177,83 @@ void trainer::impl::remember(uint64_t k, std::span<const float> update) {
   recent.emplace_back(k, std::move(slot));
 }
 
+/// The group and cross communicators of the epoch just entered: every
+/// group must be whole (the coordinator admits whole groups only).
+caf::error trainer::impl::split_epoch() {
+  const size_t S = per_group();
+  if (S == 1) {
+    group = nullptr;
+    cross = comm;
+    return {};
+  }
+  const auto& m = comm->members();
+  const uint32_t me = m.ranks[comm->index()];
+  coll::membership g{m.epoch, {}}, x{m.epoch, {}};
+  for (auto r : m.ranks) {
+    if (r / S == me / S)
+      g.ranks.push_back(r);
+    if (r % S == me % S)
+      x.ranks.push_back(r);
+  }
+  if (g.ranks.size() != S || m.ranks.size() % S != 0)
+    return make_error(errc::invalid_argument,
+                      fmt::format("epoch {} does not hold whole replica groups of {} ranks", m.epoch,
+                                  S));
+  auto gc = sup->sub_communicator(0, std::move(g));
+  if (!gc)
+    return gc.error();
+  auto xc = sup->sub_communicator(1, std::move(x));
+  if (!xc)
+    return xc.error();
+  group = *gc;
+  cross = *xc;
+  return {};
+}
+
 caf::error trainer::impl::reconcile(train_state& st) {
-  const size_t n = comm->size(), me = comm->index();
+  const size_t N = comm->size();
+  // Everyone's step. A rank whose commit vote failed while the others saw
+  // it pass holds that step's update (every rank had it before voting).
+  std::vector<int64_t> all(N, -1);
+  all[comm->index()] = static_cast<int64_t>(st.step);
+  if (auto e = comm->all_reduce(all.data(), N, coll::dtype::int64, coll::reduce_op::max))
+    return e;
+  const int64_t top = *std::max_element(all.begin(), all.end());
+  if (pending && static_cast<int64_t>(st.step) + 1 == top
+      && static_cast<int64_t>(pending->first) == static_cast<int64_t>(st.step)) {
+    apply(st.params, st.step, pending->second);
+    remember(st.step, pending->second);
+    ++st.step;
+    spdlog::info("trainer: step {} committed elsewhere: its update applied here", pending->first);
+  }
+  pending.reset();
+
+  // The rest travels between the ranks holding the same shard.
+  auto& c = *cross;
+  const size_t n = c.size(), me = c.index();
   // [step of each member..., oldest update each member still holds...]
   std::vector<int64_t> steps(2 * n, -1);
   steps[me] = static_cast<int64_t>(st.step);
   steps[n + me] = recent.empty() ? static_cast<int64_t>(st.step)
                                  : static_cast<int64_t>(recent.front().first);
-  if (auto e = comm->all_reduce(steps.data(), 2 * n, coll::dtype::int64, coll::reduce_op::max))
+  if (auto e = c.all_reduce(steps.data(), 2 * n, coll::dtype::int64, coll::reduce_op::max))
     return e;
   const int64_t hi = *std::max_element(steps.begin(), steps.begin() + n);
   const int64_t lo = *std::min_element(steps.begin(), steps.begin() + n);
+  if (hi != top)
+    return make_error(errc::unrecoverable,
+                      fmt::format("no rank holding shard {} reached step {}", position, top));
   if (hi == lo)
     return {};
   const size_t leader = static_cast<size_t>(std::find(steps.begin(), steps.end(), hi) - steps.begin());
   const int64_t oldest = steps[n + leader];
   for (size_t i = 0; i < n; ++i) {
     if (steps[i] < oldest) {
-      auto who = comm->members().ranks[i];
+      auto who = c.members().ranks[i];
       return make_error(i == me ? errc::fenced : errc::aborted,
                         fmt::format("rank {} is at step {}, behind the oldest update (step {}) "
                                     "that rank {} at step {} still holds",
-                                    who, steps[i], oldest, comm->members().ranks[leader], hi));
+                                    who, steps[i], oldest, c.members().ranks[leader], hi));
     }
   }
   std::vector<float> update(st.params.size());
@@ -172,7 +264,7 @@ caf::error trainer::impl::reconcile(train_state& st) {
       CMESH_CHECK(it != recent.end()); // the window covers hi - lo steps, checked above
       update = it->second;
     }
-    if (auto e = comm->broadcast(update.data(), update.size(), coll::dtype::float32, leader))
+    if (auto e = c.broadcast(update.data(), update.size(), coll::dtype::float32, leader))
       return e;
     if (static_cast<int64_t>(st.step) == k) {
       apply(st.params, static_cast<uint64_t>(k), update);
@@ -185,19 +277,48 @@ caf::error trainer::impl::reconcile(train_state& st) {
   return {};
 }
 
+/// The L2 norm of the whole gradient from the shards: each block's sum of
+/// squares in double, gathered over the group (bit patterns, not summed on
+/// the wire), then added in block order: the same bits in every layout.
+expected<double> trainer::impl::global_norm(std::span<const float> shard) {
+  const size_t total = shards.offsets.back() + shards.counts.back();
+  auto blocks_in = [](size_t n) { return (n + norm_block - 1) / norm_block; };
+  std::vector<size_t> counts;
+  for (auto c : shards.counts)
+    counts.push_back(blocks_in(c));
+  std::vector<double> partial(blocks_in(total), 0.0);
+  const size_t first = shards.offsets[position] / norm_block;
+  for (size_t b = 0; b < counts[position]; ++b) {
+    size_t at = b * norm_block, len = std::min(norm_block, shard.size() - at);
+    partial[first + b] = kernels::cpu::sum_of_squares(shard.data() + at, len);
+  }
+  if (group) {
+    static_assert(sizeof(double) == sizeof(int64_t));
+    if (auto e = group->all_gather(partial.data() + first, partial.data(), counts,
+                                   coll::dtype::int64))
+      return e;
+  }
+  double sum = 0;
+  for (double p : partial)
+    sum += p;
+  return std::sqrt(sum);
+}
+
 expected<train_result> trainer::run() {
   auto& I = *impl_;
   const auto& tc = I.o.config.train;
   auto& net = *model_;
   const size_t micro_total = model::micro_batches_per_step(tc);
+  const size_t S = I.per_group();
   auto params = net.parameters();
   auto grads = net.gradients();
+  auto my_params = I.shard_of(params);
   train_result result;
   const double t_start = now_s();
   const double tokens_per_step = static_cast<double>(tc.global_batch * tc.seq_len);
-  train_state st{0, params, I.adam_m, I.adam_v};
+  train_state st{0, my_params, I.adam_m, I.adam_v};
   apply_update replay = [&](uint64_t k, std::span<const float> u) {
-    I.apply(params, k, u);
+    I.apply(my_params, k, u);
     I.remember(k, u);
   };
   uint64_t committed_here = 0; // steps this process computed and committed
@@ -211,10 +332,12 @@ expected<train_result> trainer::run() {
       if (!c)
         return c.error();
       I.comm = *c;
-      auto e = I.reconcile(st);
+      auto e = I.split_epoch();
+      if (!e)
+        e = I.reconcile(st);
       if (!e)
         return {};
-      if (code_of(e) == errc::fenced)
+      if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable)
         return e;
       spdlog::warn("trainer: epoch {} failed while reconciling: {}", after, describe(e));
       why = e;
@@ -236,10 +359,18 @@ expected<train_result> trainer::run() {
       I.sup->at_boundary(st);
     const uint64_t step = st.step;
     auto& comm = *I.comm;
-    const size_t groups = comm.size();
+    const size_t world = comm.size();
     const double t0 = now_s();
     I.comm_s = 0;
-    auto mine = model::micro_batches_of(micro_total, groups, comm.index());
+    caf::error latched;
+    // The full weights from the group's shards.
+    if (I.group)
+      I.collective(latched, [&] {
+        return I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
+                                   coll::dtype::float32);
+      });
+    const uint32_t rank = comm.members().ranks[comm.index()];
+    auto mine = model::micro_batches_of(micro_total, world / S, comm.index() / S, S, rank % S);
     // [loss sum, aux sum, dropped, expert loads...], summed over all ranks.
     std::vector<float> stats(3, 0.0f);
     auto account = [&](const model::step_stats& s) {
@@ -251,11 +382,18 @@ expected<train_result> trainer::run() {
       for (size_t i = 0; i < s.expert_load.size(); ++i)
         stats[3 + i] += static_cast<float>(s.expert_load[i]);
     };
-    caf::error latched;
+    if (latched)
+      mine.clear(); // no weights to compute with: the vote will be no
     if (I.sup)
       I.sup->computing(true);
     maybe_hang();
     net.zero_gradients();
+    // The reduced gradient of this rank's shard ends in `update`.
+    std::span<float> update = S == 1 ? std::span<float>(grads) : std::span<float>();
+    if (S > 1) {
+      I.shard_grad.resize(my_params.size());
+      update = I.shard_grad;
+    }
     if (tc.exact) {
       // Each micro-batch's gradient is one contribution, turned into fixed
       // point before any sum, so no float sum depends on the layout.
@@ -271,17 +409,42 @@ expected<train_result> trainer::run() {
         net.zero_gradients();
       if (I.sup)
         I.sup->computing(false);
-      I.collective(latched,
-                   [&] { return coll::exact_all_reduce(comm, spans, grads, micro_total); });
+      I.collective(latched, [&] {
+        if (!I.group)
+          return coll::exact_all_reduce(comm, spans, grads, micro_total);
+        return coll::exact_reduce_scatter(comm, *I.group, *I.cross, spans, grads.size(),
+                                          I.shards.counts, update, micro_total);
+      });
     } else {
       for (auto m : mine)
         account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m)));
       if (I.sup)
         I.sup->computing(false);
-      I.collective(latched, [&] {
-        return comm.all_reduce(grads.data(), grads.size(), coll::dtype::float32,
-                               coll::reduce_op::sum);
-      });
+      if (!I.group) {
+        I.collective(latched, [&] {
+          return comm.all_reduce(grads.data(), grads.size(), coll::dtype::float32,
+                                 coll::reduce_op::sum);
+        });
+      } else {
+        I.collective(latched, [&] {
+          return I.group->reduce_scatter(grads.data(), update.data(), I.shards.counts,
+                                         coll::dtype::float32, coll::reduce_op::sum);
+        });
+        I.collective(latched, [&] {
+          return I.cross->all_reduce(update.data(), update.size(), coll::dtype::float32,
+                                     coll::reduce_op::sum);
+        });
+      }
+    }
+    // The mean gradient over the global batch, clipped by its global norm.
+    kernels::cpu::scale_in_place(update.data(), 1.0f / static_cast<float>(micro_total),
+                                 update.size());
+    if (tc.grad_clip > 0 && !latched) {
+      auto norm = I.global_norm(update);
+      if (!norm)
+        latched = norm.error();
+      else
+        kernels::cpu::clip_to_norm(update.data(), update.size(), *norm, tc.grad_clip);
     }
     // Every rank must have the same length of statistics for the reduction.
     stats.resize(3 + net.moe_layers() * net.experts(), 0.0f);
@@ -304,22 +467,19 @@ expected<train_result> trainer::run() {
                                                             + " was voted down");
       if (!I.sup)
         return why;
+      if (!latched && vote_error) // it may have passed elsewhere
+        I.pending.emplace(step, std::vector<float>(update.begin(), update.end()));
       spdlog::warn("trainer: step {} failed in epoch {}: {}; retrying it in the next epoch",
                    step, comm.members().epoch, describe(why));
       if (auto e = enter(why))
         return e;
       continue;
     }
-    // Committed: the mean gradient over the global batch, then the update.
-    kernels::cpu::scale_in_place(grads.data(), 1.0f / static_cast<float>(micro_total),
-                                 grads.size());
-    if (tc.grad_clip > 0)
-      kernels::cpu::clip_to_norm(grads.data(), grads.size(),
-                                 kernels::cpu::l2_norm(grads.data(), grads.size()), tc.grad_clip);
-    I.apply(params, step, grads);
+    // Committed: the update of this rank's shard.
+    I.apply(my_params, step, update);
     if (I.sup) {
-      I.remember(step, grads);
-      I.sup->committed(step, grads);
+      I.remember(step, update);
+      I.sup->committed(step, update);
       switch_to = static_cast<uint64_t>(vote[1]);
     }
     ++st.step;
@@ -341,6 +501,11 @@ expected<train_result> trainer::run() {
     if (I.o.on_step)
       I.o.on_step(rep);
   }
+  // The final full weights, from the group's shards.
+  if (I.group)
+    if (auto e = I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
+                                     coll::dtype::float32))
+      return e;
   result.steps = st.step;
   result.seconds = now_s() - t_start;
   result.tokens_per_s =

@@ -22,8 +22,24 @@
 // lagged) gets the missing committed updates from the most advanced member,
 // which keeps the last replay_window of them.
 //
-// Layout so far: R replica groups of one rank each (pure data parallel, all
-// experts on every rank); sharding inside a group builds on the same loop.
+// Layout: R replica groups x S ranks (HSDP). Global rank r is position
+// r % S of group r / S; an epoch's members are whole groups. The flat
+// parameter buffer is split into S shards (in whole blocks of
+// norm_block elements); position p owns shard p: its fp32 master values and
+// its AdamW moments, and nothing else of the optimizer. Each step:
+//   all_gather the shards over the group (the full weights for compute)
+//   -> forward/backward on this rank's micro-batches (the global batch
+//   split over all R x S ranks) -> reduce_scatter the gradient over the
+//   group -> all_reduce each shard over the groups (the `cross`
+//   communicator of the ranks holding it) -> clip by the global norm
+//   (per-block sums of squares, added in one fixed order whatever the
+//   layout) -> commit vote over everyone -> AdamW on the shard.
+// The committed updates kept for replay, the catch-up snapshot and its
+// stream are this rank's shard only: a restarted rank at position p
+// catches up from a member at position p. S = 1 is pure data parallelism.
+// All experts are computed on every rank (expert parallelism with
+// all_to_allv dispatch is not built yet); their state is sharded like the
+// rest.
 #pragma once
 
 #include "collectives/communicator.hpp"
@@ -63,8 +79,20 @@ struct train_result {
 /// the committed steps 0 .. s-1.
 struct train_state {
   uint64_t step = 0;
-  std::span<float> params, adam_m, adam_v;
+  std::span<float> params, adam_m, adam_v; // this rank's shard of each
 };
+
+/// Shard boundaries of a flat buffer of n elements over s ranks: whole
+/// blocks of `block` elements, as even as they go, the remainder of the
+/// buffer in the last shard. counts[i] elements from offsets[i].
+struct shard_split {
+  std::vector<size_t> offsets, counts;
+};
+shard_split split_shards(size_t n, size_t s, size_t block);
+
+/// Elements per block of the clipping norm: every layout adds the same
+/// per-block sums of squares in the same order.
+constexpr size_t norm_block = 4096;
 
 /// Applies the committed update of step `k` (the final, averaged and clipped
 /// gradient) to a state at step k, leaving it at k + 1. Bit-exact: the same
@@ -99,6 +127,13 @@ public:
   /// After the commit of step `k`, with the update that was applied.
   virtual void committed(uint64_t k, std::span<const float> update) = 0;
 
+  /// A communicator of part of the current epoch's members, built at once
+  /// by every member over the epoch's communicator (each with its own
+  /// part): slot 0 is this rank's replica group, slot 1 the ranks holding
+  /// its shard in every group. Aborted with the epoch; valid until the
+  /// next enter_epoch.
+  virtual expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) = 0;
+
   /// The trainer enters (true) or leaves (false) its local computation of a
   /// step: a step watchdog times it (collectives wait on others; compute
   /// that does not end is a hang of this rank).
@@ -119,14 +154,16 @@ struct trainer_options {
   size_t replay_window = 64;
 };
 
-/// The step loop over a communicator of every rank (one per replica group).
+/// The step loop. Without a supervision: over one fixed communicator of
+/// every rank, one rank per replica group.
 class trainer {
 public:
   trainer(trainer_options opts, std::unique_ptr<model::model> m,
           std::shared_ptr<const model::corpus> data, coll::communicator& comm);
-  /// Elastic: the communicator of each epoch comes from `sup`.
+  /// Elastic: the communicator of each epoch comes from `sup`; `rank` is
+  /// this process's global rank (its position in its group is rank % S).
   trainer(trainer_options opts, std::unique_ptr<model::model> m,
-          std::shared_ptr<const model::corpus> data, supervision& sup);
+          std::shared_ptr<const model::corpus> data, supervision& sup, uint32_t rank);
   ~trainer();
 
   /// Runs until config.train.steps committed steps. Errors: from the

@@ -89,7 +89,8 @@ expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord
   if (!log)
     return log.error();
   actors::supervisor_options so;
-  so.groups = job.world_size;
+  so.groups = static_cast<uint32_t>(replica_groups(job.train, job.world_size));
+  so.ranks_per_group = static_cast<uint32_t>(job.world_size / so.groups);
   so.target_step = target_step;
   so.quorum.min_replicas = job.supervise.min_replicas;
   so.quorum.join_window_ms = job.supervise.join_window_ms;
@@ -273,7 +274,9 @@ int run_worker(const job_options& job) {
     return c == errc::invalid_argument ? 2 : 3;
   }
   if (job.job == "train") {
-    auto rc = run_training(*j, *config, std::chrono::seconds(job.timeout_s),
+    auto rc = run_training(*j, *config,
+                           replica_groups(job.train, static_cast<size_t>(j->place.world_size)),
+                           std::chrono::seconds(job.timeout_s),
                            std::chrono::milliseconds(job.supervise.step_timeout_ms));
     j->net->stop();
     if (!rc) {
@@ -394,15 +397,23 @@ int run_launch(const job_options& job) {
                           {"step", step}});
       workers[r].signal(sig);
     };
+    const uint32_t per_group =
+      static_cast<uint32_t>(job.world_size / replica_groups(job.train, job.world_size));
     auto tick = [&](const actors::supervisor::view& v) -> std::string {
       auto now = clock::now();
       // Chaos: actions whose step the members reached.
       while (next_action < plan.size() && plan[next_action].at_step <= v.max_member_step) {
         auto& a = plan[next_action];
+        // Live member groups other than the target's (a group lives while
+        // all its ranks do).
         auto others_live = [&](uint32_t target) {
-          size_t n = 0;
+          std::map<uint32_t, size_t> up;
           for (auto& r : v.ranks)
-            n += r.member && r.live && r.rank != target && !signalled_down[r.rank] ? 1 : 0;
+            if (r.member && r.live && !signalled_down[r.rank] && r.rank / per_group != target / per_group)
+              ++up[r.rank / per_group];
+          size_t n = 0;
+          for (auto& [g, k] : up)
+            n += k == per_group ? 1 : 0;
           return n;
         };
         if (a.kind == chaos::action_kind::kill_source) {
@@ -414,8 +425,8 @@ int run_launch(const job_options& job) {
           signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill) {
           if (a.survivable && others_live(a.rank) == 0)
-            fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: it is the last live "
-                       "member\n",
+            fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: its group is the last "
+                       "live one\n",
                        a.rank, v.max_member_step);
           else
             signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);

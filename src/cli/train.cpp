@@ -28,17 +28,12 @@ expected<model::run_config> resolve_config(const train_flags& f, size_t world_si
     cfg->train.log_every = *f.log_every;
   if (f.exact)
     cfg->train.exact = true;
-  size_t replicas = f.replicas == 0 ? world_size : f.replicas;
+  size_t replicas = replica_groups(f, world_size);
   if (world_size % replicas != 0)
     return make_error(errc::invalid_argument,
                       fmt::format("{} ranks do not split into {} replica groups", world_size,
                                   replicas));
   size_t per_group = world_size / replicas;
-  if (per_group != 1)
-    return make_error(errc::invalid_argument,
-                      fmt::format("{} ranks per replica group: this build trains one rank per "
-                                  "group (--replicas equal to -n)",
-                                  per_group));
   if (auto e = model::validate(*cfg, replicas, per_group))
     return e;
   return cfg;
@@ -58,7 +53,7 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
 
 } // namespace
 
-expected<int> run_training(joined_mesh& j, const model::run_config& config,
+expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout, std::chrono::milliseconds step_timeout) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
@@ -92,11 +87,12 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
 
   actors::trainer_options opts;
   opts.config = config;
-  opts.replicas = size;
+  opts.replicas = replicas;
+  opts.ranks_per_group = size / replicas;
   if (rank == 0)
-    fmt::print("cmesh: training {} on {} replica group(s), {} ({} steps, global batch {}, "
-               "{}{})\n",
-               "the built-in MoE model", size, (*data)->origin(), config.train.steps,
+    fmt::print("cmesh: training {} on {} replica group(s) x {} rank(s), {} ({} steps, global "
+               "batch {}, {}{})\n",
+               "the built-in MoE model", replicas, size / replicas, (*data)->origin(), config.train.steps,
                config.train.global_batch, config.train.precision, config.train.exact ? ", exact" : "");
   size_t every = config.train.log_every, total = config.train.steps;
   opts.on_step = [every, total](const actors::step_report& r) {
@@ -110,8 +106,8 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config,
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto* sup = &agent;
-  spawn_blocking(sys, [done, opts, data = *data, sup](caf::blocking_actor*) {
-    actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *sup);
+  spawn_blocking(sys, [done, opts, data = *data, sup, rank](caf::blocking_actor*) {
+    actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *sup, rank);
     done->set_value(t.run());
   });
   // While it runs, the job may end (the coordinator's shutdown: the others

@@ -23,12 +23,17 @@ struct train_flags {
 /// Reads the config and applies the flags. Errors: invalid_argument.
 expected<model::run_config> resolve_config(const train_flags& f, size_t world_size);
 
+/// The replica groups R of a run: --replicas, or one per rank.
+inline size_t replica_groups(const train_flags& f, size_t world_size) {
+  return f.replicas == 0 ? world_size : f.replicas;
+}
+
 /// Runs the trainer of this rank on a joined mesh with a config from
 /// resolve_config, under the coordinator's supervision (epochs, retries,
 /// catch-up), reports "done" (or "failed", "fenced") to the coordinator and
 /// waits for its shutdown. Returns the exit code: the shutdown's, or
 /// exit_fenced when this incarnation was left out of an epoch.
-expected<int> run_training(joined_mesh& j, const model::run_config& config,
+expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout,
                            std::chrono::milliseconds step_timeout = std::chrono::milliseconds(0));
 

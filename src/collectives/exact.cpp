@@ -200,6 +200,23 @@ caf::error exact_sum::add(std::span<const float> contribution) {
   return {};
 }
 
+namespace {
+
+/// fixed[i] * 2^-shift into out[i]; overflow when one does not fit a float.
+caf::error fixed_to_floats(std::span<const int64_t> fixed, int shift, std::span<float> out) {
+  bool too_big = false;
+  for (size_t i = 0; i < out.size(); ++i) {
+    float f = fixed_to_float(fixed[i], shift);
+    too_big |= std::isinf(f);
+    out[i] = f;
+  }
+  if (too_big)
+    return make_error(errc::overflow, "exact mode: a sum does not fit in float32");
+  return {};
+}
+
+} // namespace
+
 caf::error exact_sum::finish(std::span<float> out) const {
   if (sticky_)
     return sticky_;
@@ -210,25 +227,19 @@ caf::error exact_sum::finish(std::span<float> out) const {
   int64_t total = acc_[count_];
   if (total < 0 || static_cast<uint64_t>(total) > contributions_max_)
     return make_error(errc::overflow, too_many(contributions_max_, static_cast<uint64_t>(total)));
-  bool too_big = false;
-  for (size_t i = 0; i < count_; ++i) {
-    float f = fixed_to_float(acc_[i], shift_);
-    too_big |= std::isinf(f);
-    out[i] = f;
-  }
-  if (too_big)
-    return make_error(errc::overflow, "exact mode: a sum does not fit in float32");
-  return {};
+  return fixed_to_floats(std::span<const int64_t>(acc_).first(count_), shift_, out);
 }
 
-caf::error exact_all_reduce(communicator& comm,
-                            const std::vector<std::span<const float>>& contributions,
-                            std::span<float> out, size_t contributions_max,
-                            const op_options& o) {
-  enum status : int { fine = 0, non_finite = 1, too_many_here = 2, bad_sizes = 3 };
-  const size_t count = out.size();
-  exact_sum sum(count, contributions_max);
+namespace {
 
+/// Phases 1 and 2 over `comm`: agrees on the range (and on every rank's
+/// local status), scales, converts and sums this rank's contributions.
+caf::error exact_prepare(communicator& comm,
+                         const std::vector<std::span<const float>>& contributions,
+                         exact_sum& sum, const op_options& o) {
+  enum status : int { fine = 0, non_finite = 1, too_many_here = 2, bad_sizes = 3 };
+  const size_t count = sum.count();
+  const size_t contributions_max = sum.contributions_max();
   // Phase 1: local checks and max; every rank takes part in the max
   // all_reduce even when its input is bad, so nobody waits for it later.
   caf::error local;
@@ -281,10 +292,56 @@ caf::error exact_all_reduce(communicator& comm,
     if (auto err = sum.add(c))
       return err;
 
+  return {};
+}
+
+} // namespace
+
+caf::error exact_all_reduce(communicator& comm,
+                            const std::vector<std::span<const float>>& contributions,
+                            std::span<float> out, size_t contributions_max,
+                            const op_options& o) {
+  exact_sum sum(out.size(), contributions_max);
+  if (auto err = exact_prepare(comm, contributions, sum, o))
+    return err;
   // Phase 3: integer sum over the ranks (the count rides along), then back.
   if (auto err = comm.all_reduce(sum.accumulator(), reduce_op::sum, o))
     return err;
   return sum.finish(out);
+}
+
+caf::error exact_reduce_scatter(communicator& world, communicator& group, communicator& cross,
+                                const std::vector<std::span<const float>>& contributions,
+                                size_t count, const std::vector<size_t>& shard_counts,
+                                std::span<float> out, size_t contributions_max,
+                                const op_options& o) {
+  const size_t me = group.index(), last = shard_counts.size() - 1;
+  size_t total = 0;
+  for (auto c : shard_counts)
+    total += c;
+  if (shard_counts.size() != group.size() || total != count || out.size() != shard_counts[me])
+    return make_error(errc::invalid_argument,
+                      "exact mode: shard counts do not split the buffer over the group");
+  exact_sum sum(count, contributions_max);
+  if (auto err = exact_prepare(world, contributions, sum, o))
+    return err;
+  // Phase 3: the group's ranks reduce-scatter their integer sums, then each
+  // block is summed over the groups. The count of contributions rides at
+  // the end of the last block.
+  auto counts = shard_counts;
+  counts[last] += 1;
+  std::vector<int64_t> block(counts[me]);
+  if (auto err = group.reduce_scatter(sum.accumulator().data(), block.data(), counts,
+                                      dtype::int64, reduce_op::sum, o))
+    return err;
+  if (auto err = cross.all_reduce(std::span<int64_t>(block), reduce_op::sum, o))
+    return err;
+  if (me == last) {
+    int64_t n = block.back();
+    if (n < 0 || static_cast<uint64_t>(n) > contributions_max)
+      return make_error(errc::overflow, too_many(contributions_max, static_cast<uint64_t>(n)));
+  }
+  return fixed_to_floats(std::span<const int64_t>(block).first(out.size()), sum.shift(), out);
 }
 
 } // namespace cmesh::coll

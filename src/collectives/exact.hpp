@@ -129,4 +129,17 @@ caf::error exact_all_reduce(communicator& comm,
                             std::span<float> out, size_t contributions_max,
                             const op_options& o = {});
 
+/// The same sum for a replica group that shards the buffer (HSDP): blocks
+/// of `count` elements split by shard_counts (one per member of `group`,
+/// in order), and this rank keeps block group.index() in `out`. The range
+/// is agreed over `world` (every rank of every group); the integer sums are
+/// reduce-scattered over `group` and each block summed over `cross` (the
+/// ranks holding the same block in the other groups). The result is
+/// bit-identical to exact_all_reduce's block, whatever the layout.
+caf::error exact_reduce_scatter(communicator& world, communicator& group, communicator& cross,
+                                const std::vector<std::span<const float>>& contributions,
+                                size_t count, const std::vector<size_t>& shard_counts,
+                                std::span<float> out, size_t contributions_max,
+                                const op_options& o = {});
+
 } // namespace cmesh::coll

@@ -780,6 +780,37 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
   return std::unique_ptr<communicator>(std::move(c));
 }
 
+expected<std::unique_ptr<communicator>> make_host_subcommunicator(
+  communicator& parent, std::shared_ptr<host_context> ctx, membership sub, peer_status status,
+  host_options opts) {
+  // Every address padded to the longest one, in whole int64 words.
+  const auto mine = ctx->address();
+  int64_t words = static_cast<int64_t>((mine.size() + sizeof(int64_t) - 1) / sizeof(int64_t) + 1);
+  if (auto e = parent.all_reduce(&words, 1, dtype::int64, reduce_op::max))
+    return e;
+  const size_t w = static_cast<size_t>(words), n = parent.size();
+  std::vector<int64_t> table(w * n, 0);
+  auto* row = reinterpret_cast<char*>(table.data() + w * parent.index());
+  std::memcpy(row, mine.data(), mine.size());
+  // Each row's last word holds the address's length.
+  table[w * parent.index() + w - 1] = static_cast<int64_t>(mine.size());
+  if (auto e = parent.all_gather(table.data() + w * parent.index(), table.data(),
+                                 std::vector<size_t>(n, w), dtype::int64))
+    return e;
+  std::vector<std::string> addresses;
+  for (auto r : sub.ranks) {
+    size_t i = parent.members().index_of(r);
+    if (i == n)
+      return make_error(errc::invalid_argument,
+                        "rank " + std::to_string(r) + " is not a member of the parent communicator");
+    auto len = static_cast<size_t>(table[w * i + w - 1]);
+    if (len > (w - 1) * sizeof(int64_t))
+      return make_error(errc::malformed_frame, "a published address is longer than its row");
+    addresses.emplace_back(reinterpret_cast<const char*>(table.data() + w * i), len);
+  }
+  return make_host_communicator(std::move(ctx), std::move(sub), addresses, std::move(status), opts);
+}
+
 expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
   peer_status status, host_options opts) {

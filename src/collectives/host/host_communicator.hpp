@@ -76,4 +76,14 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, const std::vector<std::string>& addresses,
   peer_status status, host_options opts = {});
 
+/// A communicator of `sub` (a subset of parent's members that holds this
+/// rank) on `ctx`, with the addresses exchanged over `parent`: every member
+/// of parent calls it at once, each with its own subset (a replica group,
+/// the ranks holding the same shard in every group). `ctx` must be a
+/// context of its own for each kind of subset, so that the tags of
+/// communicators of one epoch never meet on one worker.
+expected<std::unique_ptr<communicator>> make_host_subcommunicator(
+  communicator& parent, std::shared_ptr<host_context> ctx, membership sub, peer_status status,
+  host_options opts = {});
+
 } // namespace cmesh::coll
