@@ -91,6 +91,54 @@ TEST_CASE("exact mode: final weights are bit-identical across layouts") {
   CHECK(weights.size() == 1);
 }
 
+TEST_CASE("bf16 mixed precision: the loss falls at 1x1 and 2x2; overflowed steps are skipped") {
+  auto path = "/tmp/cmesh_bf16_" + std::to_string(getpid()) + ".toml";
+  {
+    std::ofstream(path) << "[train]\nprecision = \"bf16\"\n";
+  }
+  auto one = train("-n 1 --config " + path + " --steps 40 --log-every 5");
+  auto loss = std::stod(field(one.output, "loss"));
+  MESSAGE("bf16 1x1: loss " << loss << " after 40 steps");
+  CHECK(loss < loss_threshold);
+  // Against fp32: the same curve within the rounding of bf16 weights and
+  // gradients.
+  auto fp32 = loss_curve(train("-n 1 --steps 40 --log-every 5").output);
+  auto bf = loss_curve(one.output);
+  REQUIRE(bf.size() == fp32.size());
+  double worst = 0;
+  for (auto [step, l] : fp32)
+    worst = std::max(worst, std::abs(l - bf.at(step)));
+  MESSAGE("bf16 vs fp32: largest difference in loss " << worst);
+  CHECK(worst < 0.1);
+
+  // A loss scale far too large: gradients overflow, every rank skips the
+  // same steps (the vote carries the overflow), the scale backs off and
+  // training goes on; all ranks end with the same weights.
+  {
+    std::ofstream(path) << "[train]\nprecision = \"bf16\"\nloss_scale = 1e38\n";
+  }
+  auto r = train(layout(2, 2) + " --config " + path + " --steps 40 --log-every 5");
+  std::remove(path.c_str());
+  std::regex re("step ([0-9]+) skipped: a gradient overflowed");
+  std::map<std::string, int> skips; // step -> ranks that skipped it
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
+       it != std::sregex_iterator(); ++it)
+    ++skips[(*it)[1].str()];
+  MESSAGE("bf16 2x2 with loss scale 1e38: " << skips.size() << " step(s) skipped");
+  CHECK(!skips.empty());
+  for (auto& [step, ranks] : skips) {
+    CAPTURE(step);
+    CHECK(ranks == 4);
+  }
+  std::set<std::string> ws;
+  std::regex wre("rank [0-9]+ done [^\n]*weights=([0-9a-f]+)");
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), wre);
+       it != std::sregex_iterator(); ++it)
+    ws.insert((*it)[1].str());
+  CHECK(ws.size() == 1);
+  CHECK(std::stod(field(r.output, "loss")) < 2.5);
+}
+
 TEST_CASE("bad configs and layouts are clear errors") {
   auto path = "/tmp/cmesh_bad_config_" + std::to_string(getpid()) + ".toml";
   {

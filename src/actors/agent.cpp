@@ -49,7 +49,7 @@ struct session {
   bool end = false;           // the stream's last update is queued
   bool broken = false;        // cut off, or failed
   uint64_t snap_step = 0;
-  std::vector<float> params, adam_m, adam_v;
+  std::vector<float> params, adam_m, adam_v, scalars;
   std::deque<std::pair<uint64_t, std::vector<float>>> queue;
   std::unique_ptr<coll::communicator> comm; // while sending
   std::thread thread;
@@ -348,7 +348,7 @@ void agent::impl::serve(session_ptr s) {
   auto t0 = mono_ns();
   int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(s->params.size())};
   caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
-  for (auto* v : {&s->params, &s->adam_m, &s->adam_v})
+  for (auto* v : {&s->params, &s->adam_m, &s->adam_v, &s->scalars})
     if (!e)
       e = comm.broadcast(v->data(), v->size(), coll::dtype::float32, 0);
   if (e)
@@ -450,7 +450,7 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
     return make_error(errc::invalid_argument,
                       fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
                                   hdr[1], hdr[0], st.params.size()));
-  for (auto v : {st.params, st.adam_m, st.adam_v})
+  for (auto v : {st.params, st.adam_m, st.adam_v, st.scalars})
     if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0))
       return e;
   st.step = static_cast<uint64_t>(hdr[0]);
@@ -556,6 +556,7 @@ void agent::at_boundary(const train_state& st) {
       s->params.assign(st.params.begin(), st.params.end());
       s->adam_m.assign(st.adam_m.begin(), st.adam_m.end());
       s->adam_v.assign(st.adam_v.begin(), st.adam_v.end());
+      s->scalars.assign(st.scalars.begin(), st.scalars.end());
       start.push_back(s);
       // Started under the lock, so stop() never sees a half-assigned thread.
       if (!I.stopping)

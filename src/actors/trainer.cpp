@@ -4,6 +4,7 @@
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "kernels/optim.hpp"
+#include "kernels/precision.hpp"
 
 #include <xxhash.h>
 
@@ -11,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <atomic>
 #include <chrono>
@@ -76,6 +78,10 @@ shard_split split_shards(size_t n, size_t s, size_t block) {
   return out;
 }
 
+bool is_skipped_update(std::span<const float> update) {
+  return !update.empty() && std::isnan(update[0]);
+}
+
 void request_hang() {
   hang_requested.store(true, std::memory_order_relaxed);
 }
@@ -90,6 +96,11 @@ struct trainer::impl {
   shard_split shards;
   size_t position = 0;                 // this rank's position in its group
   std::vector<float> adam_m, adam_v;   // of this rank's shard
+  bool bf16 = false;
+  std::vector<float> master;           // bf16: the fp32 master of the shard
+  std::array<float, 2> scalars{};      // loss scale, good steps since its last change
+  std::vector<uint16_t> wire16;        // bf16: weights and gradients on the wire
+  std::vector<uint16_t> shard16;
   std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
   std::deque<std::pair<uint64_t, std::vector<float>>> recent; // committed updates, oldest first
@@ -118,6 +129,15 @@ struct trainer::impl {
     position = rank % per_group();
     adam_m.assign(shards.counts[position], 0.0f);
     adam_v.assign(shards.counts[position], 0.0f);
+    bf16 = o.config.train.precision == "bf16";
+    scalars = {static_cast<float>(o.config.train.loss_scale), 0.0f};
+  }
+  kernels::cpu::loss_scaler scaler() const {
+    kernels::cpu::loss_scaler ls;
+    ls.scale = scalars[0];
+    ls.good_steps = static_cast<uint32_t>(scalars[1]);
+    ls.max_scale = std::max(ls.max_scale, scalars[0]);
+    return ls;
   }
   std::span<float> shard_of(std::span<float> full) const {
     return full.subspan(shards.offsets[position], shards.counts[position]);
@@ -161,8 +181,15 @@ kernels::cpu::adamw_params trainer::impl::hyper(uint64_t k) const {
 }
 
 void trainer::impl::apply(std::span<float> params, uint64_t k, std::span<const float> update) {
-  kernels::cpu::adamw_step(params.data(), update.data(), adam_m.data(), adam_v.data(),
-                           params.size(), hyper(k), k + 1);
+  const bool skip = is_skipped_update(update);
+  if (!skip)
+    kernels::cpu::adamw_step(params.data(), update.data(), adam_m.data(), adam_v.data(),
+                             params.size(), hyper(k), k + 1);
+  if (bf16) {
+    auto ls = scaler();
+    kernels::cpu::update_loss_scale(ls, skip);
+    scalars = {ls.scale, static_cast<float>(ls.good_steps)};
+  }
 }
 
 void trainer::impl::remember(uint64_t k, std::span<const float> update) {
@@ -214,13 +241,21 @@ caf::error trainer::impl::reconcile(train_state& st) {
   const size_t N = comm->size();
   // Everyone's step. A rank whose commit vote failed while the others saw
   // it pass holds that step's update (every rank had it before voting).
-  std::vector<int64_t> all(N, -1);
+  // [step of each rank..., whether its last committed step was skipped...]
+  std::vector<int64_t> all(2 * N, -1);
   all[comm->index()] = static_cast<int64_t>(st.step);
-  if (auto e = comm->all_reduce(all.data(), N, coll::dtype::int64, coll::reduce_op::max))
+  all[N + comm->index()] =
+    !recent.empty() && recent.back().first + 1 == st.step && is_skipped_update(recent.back().second);
+  if (auto e = comm->all_reduce(all.data(), 2 * N, coll::dtype::int64, coll::reduce_op::max))
     return e;
-  const int64_t top = *std::max_element(all.begin(), all.end());
+  const int64_t top = *std::max_element(all.begin(), all.begin() + N);
   if (pending && static_cast<int64_t>(st.step) + 1 == top
       && static_cast<int64_t>(pending->first) == static_cast<int64_t>(st.step)) {
+    // The ranks at the top know whether the step was skipped (an overflow
+    // on another shard): then so is it here.
+    for (size_t i = 0; i < N; ++i)
+      if (all[i] == top && all[N + i] == 1)
+        std::fill(pending->second.begin(), pending->second.end(), std::nanf(""));
     apply(st.params, st.step, pending->second);
     remember(st.step, pending->second);
     ++st.step;
@@ -312,13 +347,20 @@ expected<train_result> trainer::run() {
   const size_t S = I.per_group();
   auto params = net.parameters();
   auto grads = net.gradients();
-  auto my_params = I.shard_of(params);
+  auto my_params = I.shard_of(params); // the model's working weights of this shard
+  // The fp32 master of the shard: the working weights themselves in fp32,
+  // a copy of its own in bf16 (the working weights are its rounding).
+  std::span<float> master = my_params;
+  if (I.bf16) {
+    I.master.assign(my_params.begin(), my_params.end());
+    master = I.master;
+  }
   train_result result;
   const double t_start = now_s();
   const double tokens_per_step = static_cast<double>(tc.global_batch * tc.seq_len);
-  train_state st{0, my_params, I.adam_m, I.adam_v};
+  train_state st{0, master, I.adam_m, I.adam_v, I.scalars};
   apply_update replay = [&](uint64_t k, std::span<const float> u) {
-    I.apply(my_params, k, u);
+    I.apply(master, k, u);
     I.remember(k, u);
   };
   uint64_t committed_here = 0; // steps this process computed and committed
@@ -363,12 +405,29 @@ expected<train_result> trainer::run() {
     const double t0 = now_s();
     I.comm_s = 0;
     caf::error latched;
-    // The full weights from the group's shards.
-    if (I.group)
+    // The full working weights from the group's shards (bf16: the master
+    // rounded, and gathered as bf16).
+    if (I.bf16) {
+      I.wire16.resize(params.size());
+      auto* mine16 = I.wire16.data() + I.shards.offsets[I.position];
+      kernels::cpu::float_to_bf16(master.data(), mine16, master.size());
+      if (I.group)
+        I.collective(latched, [&] {
+          return I.group->all_gather(mine16, I.wire16.data(), I.shards.counts,
+                                     coll::dtype::bfloat16);
+        });
+      if (!latched) {
+        if (I.group)
+          kernels::cpu::bf16_to_float(I.wire16.data(), params.data(), params.size());
+        else
+          kernels::cpu::bf16_to_float(mine16, my_params.data(), my_params.size());
+      }
+    } else if (I.group) {
       I.collective(latched, [&] {
         return I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
                                    coll::dtype::float32);
       });
+    }
     const uint32_t rank = comm.members().ranks[comm.index()];
     auto mine = model::micro_batches_of(micro_total, world / S, comm.index() / S, S, rank % S);
     // [loss sum, aux sum, dropped, expert loads...], summed over all ranks.
@@ -415,6 +474,34 @@ expected<train_result> trainer::run() {
         return coll::exact_reduce_scatter(comm, *I.group, *I.cross, spans, grads.size(),
                                           I.shards.counts, update, micro_total);
       });
+    } else if (I.bf16) {
+      // Gradients of the scaled loss, summed as bf16.
+      const float scale = I.scalars[0];
+      for (auto m : mine)
+        account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m), scale));
+      if (I.sup)
+        I.sup->computing(false);
+      I.wire16.resize(grads.size());
+      kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
+      if (!I.group) {
+        I.collective(latched, [&] {
+          return comm.all_reduce(I.wire16.data(), I.wire16.size(), coll::dtype::bfloat16,
+                                 coll::reduce_op::sum);
+        });
+        kernels::cpu::bf16_to_float(I.wire16.data(), update.data(), update.size());
+      } else {
+        I.shard16.resize(update.size());
+        I.collective(latched, [&] {
+          return I.group->reduce_scatter(I.wire16.data(), I.shard16.data(), I.shards.counts,
+                                         coll::dtype::bfloat16, coll::reduce_op::sum);
+        });
+        I.collective(latched, [&] {
+          return I.cross->all_reduce(I.shard16.data(), I.shard16.size(), coll::dtype::bfloat16,
+                                     coll::reduce_op::sum);
+        });
+        kernels::cpu::bf16_to_float(I.shard16.data(), update.data(), update.size());
+      }
+      kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
     } else {
       for (auto m : mine)
         account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m)));
@@ -439,11 +526,14 @@ expected<train_result> trainer::run() {
     // The mean gradient over the global batch, clipped by its global norm.
     kernels::cpu::scale_in_place(update.data(), 1.0f / static_cast<float>(micro_total),
                                  update.size());
+    // A non-finite gradient on any shard skips the step everywhere (agreed
+    // in the vote). The clipping norm is computed by everyone either way.
+    const bool overflow = !latched && !kernels::cpu::all_finite(update.data(), update.size());
     if (tc.grad_clip > 0 && !latched) {
       auto norm = I.global_norm(update);
       if (!norm)
         latched = norm.error();
-      else
+      else if (!overflow)
         kernels::cpu::clip_to_norm(update.data(), update.size(), *norm, tc.grad_clip);
     }
     // Every rank must have the same length of statistics for the reduction.
@@ -454,11 +544,13 @@ expected<train_result> trainer::run() {
     });
     // The commit vote: a no from anyone (or a failed vote) means no commit.
     // The second entry is the newest epoch anyone has heard of.
-    int64_t vote[2] = {latched ? 1 : 0,
-                       I.sup ? static_cast<int64_t>(I.sup->newest_epoch()) : 0};
+    // The third is whether any rank's gradient overflowed.
+    int64_t vote[3] = {latched ? 1 : 0,
+                       I.sup ? static_cast<int64_t>(I.sup->newest_epoch()) : 0,
+                       overflow ? 1 : 0};
     caf::error vote_error;
     I.collective(vote_error, [&] {
-      return comm.all_reduce(vote, 2, coll::dtype::int64, coll::reduce_op::max);
+      return comm.all_reduce(vote, 3, coll::dtype::int64, coll::reduce_op::max);
     });
     if (latched || vote_error || vote[0] != 0) {
       auto why = latched ? latched
@@ -467,16 +559,25 @@ expected<train_result> trainer::run() {
                                                             + " was voted down");
       if (!I.sup)
         return why;
-      if (!latched && vote_error) // it may have passed elsewhere
+      if (!latched && vote_error) { // it may have passed elsewhere
         I.pending.emplace(step, std::vector<float>(update.begin(), update.end()));
+        if (overflow)
+          std::fill(I.pending->second.begin(), I.pending->second.end(), std::nanf(""));
+      }
       spdlog::warn("trainer: step {} failed in epoch {}: {}; retrying it in the next epoch",
                    step, comm.members().epoch, describe(why));
       if (auto e = enter(why))
         return e;
       continue;
     }
-    // Committed: the update of this rank's shard.
-    I.apply(my_params, step, update);
+    // Committed: the update of this rank's shard (or a skip, everywhere).
+    const bool skipped = vote[2] != 0;
+    if (skipped) {
+      std::fill(update.begin(), update.end(), std::nanf(""));
+      spdlog::info("trainer: step {} skipped: a gradient overflowed (loss scale {})", step,
+                   I.scalars[0]);
+    }
+    I.apply(master, step, update);
     if (I.sup) {
       I.remember(step, update);
       I.sup->committed(step, update);
@@ -493,6 +594,7 @@ expected<train_result> trainer::run() {
     rep.step_ms = dt * 1e3;
     rep.comm_ms = I.comm_s * 1e3;
     rep.tokens_per_s = tokens_per_step / dt;
+    rep.skipped = skipped;
     rep.epoch = comm.members().epoch;
     rep.first_member = comm.index() == 0;
     rep.expert_imbalance =
@@ -501,7 +603,9 @@ expected<train_result> trainer::run() {
     if (I.o.on_step)
       I.o.on_step(rep);
   }
-  // The final full weights, from the group's shards.
+  // The final full fp32 weights, from the group's masters.
+  if (I.bf16)
+    std::copy(master.begin(), master.end(), my_params.begin());
   if (I.group)
     if (auto e = I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
                                      coll::dtype::float32))

@@ -37,6 +37,12 @@
 // The committed updates kept for replay, the catch-up snapshot and its
 // stream are this rank's shard only: a restarted rank at position p
 // catches up from a member at position p. S = 1 is pure data parallelism.
+// Precision bf16: the master weights and AdamW state stay fp32; the working
+// weights are the master rounded to bf16 (gathered over the group as bf16),
+// the loss is multiplied by a dynamic loss scale, gradients travel and are
+// summed as bf16, and a step whose gradient overflowed anywhere (agreed in
+// the commit vote) is skipped by every rank and backs the scale off.
+// Activations are computed in fp32 on the CPU.
 // All experts are computed on every rank (expert parallelism with
 // all_to_allv dispatch is not built yet); their state is sharded like the
 // rest.
@@ -79,8 +85,14 @@ struct train_result {
 /// the committed steps 0 .. s-1.
 struct train_state {
   uint64_t step = 0;
-  std::span<float> params, adam_m, adam_v; // this rank's shard of each
+  std::span<float> params, adam_m, adam_v; // this rank's shard of each (fp32 master)
+  std::span<float> scalars;                // the dynamic loss scale and its good-step count
 };
+
+/// The committed update of a step that dynamic loss scaling skipped (a
+/// non-finite gradient anywhere): every element NaN. Applying it moves only
+/// the loss scale.
+bool is_skipped_update(std::span<const float> update);
 
 /// Shard boundaries of a flat buffer of n elements over s ranks: whole
 /// blocks of `block` elements, as even as they go, the remainder of the

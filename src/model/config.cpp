@@ -73,6 +73,7 @@ std::map<std::string, std::map<std::string, setter>> schema() {
   t["beta2"] = double_key([](run_config& c) -> double& { return c.train.beta2; }, 0, 0.999999);
   t["eps"] = double_key([](run_config& c) -> double& { return c.train.eps; }, 1e-30, 1);
   t["grad_clip"] = double_key([](run_config& c) -> double& { return c.train.grad_clip; }, 0, 1e9);
+  t["loss_scale"] = double_key([](run_config& c) -> double& { return c.train.loss_scale; }, 1, 3e38);
   t["seed"] = [](const toml::node& n, run_config& c) {
     size_t v = 0;
     auto e = read_size(n, v, 0);

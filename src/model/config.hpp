@@ -39,6 +39,7 @@ struct train_config {
   size_t log_every = 10;
   bool exact = false;        // fixed-point gradient sums: bit-identical whatever the layout
   std::string precision = "fp32"; // "fp32" or "bf16"
+  double loss_scale = 65536; // bf16: the dynamic loss scale's starting value
 };
 
 struct data_config {

@@ -7,6 +7,7 @@
 #include <caf/make_actor.hpp>
 #include <caf/mailbox_element.hpp>
 
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
@@ -49,6 +50,14 @@ struct mesh::core : std::enable_shared_from_this<mesh::core> {
       auto n = ++send_failures;
       if (n <= 10 || n % 1000 == 0)
         spdlog::warn("send to {}@{} failed ({} so far): {}", dst, rank, n, describe(err));
+      // A peer that took nothing for the whole backpressure wait is failed:
+      // fenced, so its monitors learn that this message (and any later one)
+      // was not delivered, rather than seeing a silent gap in the order.
+      if (code_of(err) == errc::queue_full)
+        net.fence(rank, make_error(errc::queue_full,
+                                   fmt::format("rank {} took no message while its send queue was "
+                                               "full: {}",
+                                               rank, describe(err))));
       return;
     }
     ++forwarded;

@@ -13,7 +13,10 @@
 // errc::peer_unresponsive), so every local actor that monitors one of them
 // gets a down_msg carrying that reason. A proxy made for a fenced rank is
 // terminated from the start. Links to remote actors are not supported:
-// monitor them instead.
+// monitor them instead. A message the transport refuses because the peer's
+// send queue stayed full for the whole backpressure wait fences that peer
+// (errc::queue_full): its monitors get a down_msg instead of a silent gap
+// in the order of the messages that follow.
 #pragma once
 
 #include "transport/messages.hpp"
