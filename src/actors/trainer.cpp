@@ -17,8 +17,10 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <numeric>
 #include <optional>
 #include <thread>
+#include <utility>
 
 namespace cmesh::actors {
 
@@ -86,6 +88,39 @@ void request_hang() {
   hang_requested.store(true, std::memory_order_relaxed);
 }
 
+/// Expert parallelism over the replica group's communicator; the first
+/// failure latches (later exchanges return at once, zeroed).
+class group_exchange final : public model::expert_exchange {
+public:
+  void reset(coll::communicator* group) {
+    group_ = group;
+    error_ = {};
+  }
+  caf::error take_error() { return std::exchange(error_, caf::error{}); }
+
+  size_t ranks() const override { return group_->size(); }
+  size_t rank() const override { return group_->index(); }
+  bool exchange(const float* in, const std::vector<size_t>& send, float* out,
+                const std::vector<size_t>& recv) override {
+    if (!error_)
+      error_ = group_->all_to_allv(in, send, out, recv, coll::dtype::float32);
+    if (error_)
+      std::fill(out, out + std::accumulate(recv.begin(), recv.end(), size_t{0}), 0.0f);
+    return !error_;
+  }
+  bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) override {
+    if (!error_)
+      error_ = group_->all_to_all(in, out, per_rank, coll::dtype::int64);
+    if (error_)
+      std::fill(out, out + per_rank * group_->size(), int64_t{0});
+    return !error_;
+  }
+
+private:
+  coll::communicator* group_ = nullptr;
+  caf::error error_;
+};
+
 struct trainer::impl {
   trainer_options o;
   std::shared_ptr<const model::corpus> data;
@@ -101,6 +136,8 @@ struct trainer::impl {
   std::array<float, 2> scalars{};      // loss scale, good steps since its last change
   std::vector<uint16_t> wire16;        // bf16: weights and gradients on the wire
   std::vector<uint16_t> shard16;
+  group_exchange experts;              // expert parallelism (S > 1, not exact)
+  bool expert_parallel = false;
   std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
   std::deque<std::pair<uint64_t, std::vector<float>>> recent; // committed updates, oldest first
@@ -388,6 +425,15 @@ expected<train_result> trainer::run() {
   if (I.sup)
     if (auto e = enter({}))
       return e;
+  // Expert parallelism inside a group, except in exact mode: an expert's
+  // gradient summed over the rows of several micro-batches in one product
+  // is not the per-micro-batch contribution exact mode adds.
+  if (I.group && !tc.exact) {
+    I.experts.reset(I.group);
+    I.expert_parallel = net.set_expert_exchange(&I.experts);
+    if (I.expert_parallel)
+      spdlog::info("trainer: experts split over the {} ranks of the replica group", S);
+  }
 
   uint64_t switch_to = 0;
   while (st.step < tc.steps) {
@@ -503,8 +549,29 @@ expected<train_result> trainer::run() {
       }
       kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
     } else {
-      for (auto m : mine)
-        account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m)));
+      if (I.expert_parallel) {
+        // Every rank of the group runs as many micro-batches as the one
+        // with the most (the experts' exchanges are collective): empty
+        // ones make up the difference.
+        I.experts.reset(I.group);
+        size_t most = 0;
+        for (size_t q = 0; q < S; ++q)
+          most = std::max(most, model::micro_batches_of(micro_total, world / S, comm.index() / S,
+                                                        S, q).size());
+        model::batch empty;
+        empty.seq_len = tc.seq_len;
+        for (size_t k = 0; k < most; ++k) {
+          if (k < mine.size())
+            account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k])));
+          else
+            net.forward_backward(empty);
+        }
+        if (auto e = I.experts.take_error(); e && !latched)
+          latched = e;
+      } else {
+        for (auto m : mine)
+          account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m)));
+      }
       if (I.sup)
         I.sup->computing(false);
       if (!I.group) {

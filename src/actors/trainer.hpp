@@ -43,9 +43,10 @@
 // summed as bf16, and a step whose gradient overflowed anywhere (agreed in
 // the commit vote) is skipped by every rank and backs the scale off.
 // Activations are computed in fp32 on the CPU.
-// All experts are computed on every rank (expert parallelism with
-// all_to_allv dispatch is not built yet); their state is sharded like the
-// rest.
+// Experts (S > 1, not exact mode): rank p of a group owns E/S of each
+// layer's experts and computes them over the rows every rank of the group
+// routes to them (all_to_allv over the group); their state is sharded like
+// the rest.
 #pragma once
 
 #include "collectives/communicator.hpp"
@@ -163,7 +164,7 @@ struct trainer_options {
   std::function<void(const step_report&)> on_step; // called on every commit
   /// Committed updates kept for members that fall behind (reconciliation at
   /// an epoch's start): a member more than this many steps behind is fenced.
-  size_t replay_window = 64;
+  size_t replay_window = 16;
 };
 
 /// The step loop. Without a supervision: over one fixed communicator of

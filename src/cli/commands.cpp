@@ -177,13 +177,9 @@ int run_version() {
 
 int run_coordinator(const std::string& bind, uint16_t port, const job_options& job) {
   coordinator coord({bind, port, job.world_size});
-  if (auto e = coord.start()) {
-    fail_line(describe(e));
-    return 3;
-  }
-  fmt::print("cmesh: coordinator listening on {}:{} for {} workers\n", bind, coord.port(),
-             job.world_size);
-  std::fflush(stdout);
+  // The supervisor hears every registration: it is hooked in before the
+  // coordinator listens (workers that outlived a coordinator reconnect at
+  // once).
   std::unique_ptr<actors::supervisor> sup;
   if (job.job == "train") {
     auto s = make_supervisor(coord, job, target_step(job));
@@ -193,6 +189,13 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
     }
     sup = std::move(*s);
   }
+  if (auto e = coord.start()) {
+    fail_line(describe(e));
+    return 3;
+  }
+  fmt::print("cmesh: coordinator listening on {}:{} for {} workers\n", bind, coord.port(),
+             job.world_size);
+  std::fflush(stdout);
   auto out = sup ? await_training(coord, *sup, std::chrono::seconds(job.timeout_s))
                  : await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s));
   if (sup)
@@ -332,10 +335,6 @@ int run_launch(const job_options& job) {
     }
   }
   coordinator coord({"127.0.0.1", 0, job.world_size});
-  if (auto e = coord.start()) {
-    fail_line(describe(e));
-    return 3;
-  }
   std::unique_ptr<actors::supervisor> sup;
   if (job.job == "train") {
     auto sp = make_supervisor(coord, job, target);
@@ -344,6 +343,10 @@ int run_launch(const job_options& job) {
       return 2;
     }
     sup = std::move(*sp);
+  }
+  if (auto e = coord.start()) {
+    fail_line(describe(e));
+    return 3;
   }
   auto address = fmt::format("127.0.0.1:{}", coord.port());
   fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);

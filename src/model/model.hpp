@@ -42,6 +42,27 @@ struct step_stats {
   std::vector<size_t> expert_load; // tokens routed to each expert, all layers
 };
 
+/// Expert parallelism: the S ranks of a replica group split each MoE
+/// layer's experts, rank j owning experts [j*E/S, (j+1)*E/S). A model that
+/// supports it sends the rows routed to each expert to the expert's owner
+/// and gets the outputs back (and the same for the gradients). Every rank of
+/// the group must make the same calls in the same order: a rank with fewer
+/// micro-batches takes part with empty ones.
+class expert_exchange {
+public:
+  virtual ~expert_exchange() = default;
+  virtual size_t ranks() const = 0;
+  virtual size_t rank() const = 0;
+  /// All-to-all of variable blocks: send_counts[j] floats of `in` (blocks
+  /// in rank order) go to rank j; recv_counts[j] floats from rank j land in
+  /// `out`. False after a failure (this call's or an earlier one's): `out`
+  /// is zeroed, the model goes on, and the caller votes the step down.
+  virtual bool exchange(const float* in, const std::vector<size_t>& send_counts, float* out,
+                        const std::vector<size_t>& recv_counts) = 0;
+  /// All-to-all of `per_rank` int64 values to and from every rank.
+  virtual bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) = 0;
+};
+
 class model {
 public:
   virtual ~model() = default;
@@ -60,6 +81,10 @@ public:
 
   /// Loss only, no gradients.
   virtual step_stats evaluate(const batch& b) = 0;
+
+  /// Runs the experts over the ranks of `x` from now on (nullptr: every
+  /// expert here). False when the model does not support it.
+  virtual bool set_expert_exchange(expert_exchange* x) { return x == nullptr; }
 
   /// Number of experts per MoE layer, and of MoE layers (0 for dense models).
   virtual size_t experts() const = 0;

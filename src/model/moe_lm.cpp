@@ -12,6 +12,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <type_traits>
 
 namespace cmesh::model {
 
@@ -167,6 +168,15 @@ struct layer_cache {
   std::vector<int32_t> chosen, slots, counts, offsets, row_of, token_of;
   std::vector<T> xp, e_pre, e_act, e_out; // permuted rows, per-expert blocks
   size_t rows = 0;
+  // Expert parallelism: what this rank's experts received.
+  std::vector<size_t> send, recv;   // floats to / from each rank
+  struct block {                    // rows from one source for one of my experts
+    size_t from = 0, to = 0, rows = 0; // source-major and expert-major row offsets
+  };
+  std::vector<block> blocks;
+  std::vector<size_t> mine_first, mine_rows; // per owned expert, expert-major
+  std::vector<T> xr, xe, ee_pre, ee_act, ye;  // received rows, expert-major rows
+  size_t erows = 0;
 };
 
 template <class T>
@@ -175,6 +185,7 @@ public:
   explicit network(const moe_config& c) : c_(c), at_(make_layout(c)), caches_(c.layers) {}
 
   const layout& at() const { return at_; }
+  void set_exchange(expert_exchange* x) { ex_ = x; }
 
   /// Forward, and backward when `g` is not null (adding loss_scale * grads).
   step_stats run(const T* p, T* g, const batch& b, T loss_scale, std::vector<int32_t>* routing) {
@@ -285,6 +296,9 @@ private:
 
   // Each expert's FFN over its contiguous block of permuted rows.
   void experts_forward(size_t l) {
+    if constexpr (std::is_same_v<T, float>)
+      if (ex_)
+        return experts_forward_parallel(l);
     layer_cache<T>& m = caches_[l];
     const size_t dm = d(), h = c_.expert_ffn;
     m.e_pre.resize(m.rows * h);
@@ -300,6 +314,103 @@ private:
       kc::gelu_forward(pre, act, cnt * h);
       linear(act, p_ + x.w2, p_ + x.b2, cnt, h, dm, m.e_out.data() + first * dm);
     }
+  }
+
+  // Rows of source-major blocks to expert-major (or back, `back`).
+  static void reorder(const layer_cache<T>& m, const T* in, T* out, size_t width, bool back) {
+    for (auto& b : m.blocks) {
+      const T* src = in + (back ? b.to : b.from) * width;
+      T* dst = out + (back ? b.from : b.to) * width;
+      std::copy(src, src + b.rows * width, dst);
+    }
+  }
+
+  // Expert parallel: this rank's rows go to their experts' owners, which
+  // run their experts over the rows of every rank and send the outputs back.
+  void experts_forward_parallel(size_t l) {
+    layer_cache<T>& m = caches_[l];
+    const size_t dm = d(), h = c_.expert_ffn, S = ex_->ranks(), me = ex_->rank();
+    const size_t per = c_.experts / S;
+    // Rows per (owner, expert), then the rows themselves.
+    std::vector<int64_t> out_counts(c_.experts), in_counts(c_.experts);
+    for (size_t e = 0; e < c_.experts; ++e)
+      out_counts[e] = m.counts[e];
+    ex_->exchange_counts(out_counts.data(), in_counts.data(), per);
+    m.send.assign(S, 0);
+    m.recv.assign(S, 0);
+    m.blocks.clear();
+    m.mine_first.assign(per, 0);
+    m.mine_rows.assign(per, 0);
+    size_t from = 0;
+    for (size_t j = 0; j < S; ++j) {
+      m.send[j] = static_cast<size_t>(m.offsets[(j + 1) * per] - m.offsets[j * per]) * dm;
+      for (size_t i = 0; i < per; ++i) {
+        auto rows = static_cast<size_t>(std::max<int64_t>(0, in_counts[j * per + i]));
+        m.blocks.push_back({from, 0, rows});
+        m.mine_rows[i] += rows;
+        from += rows;
+      }
+    }
+    m.erows = from;
+    for (size_t i = 1; i < per; ++i)
+      m.mine_first[i] = m.mine_first[i - 1] + m.mine_rows[i - 1];
+    {
+      std::vector<size_t> at = m.mine_first;
+      for (size_t j = 0; j < S; ++j) {
+        size_t rows = 0;
+        for (size_t i = 0; i < per; ++i) {
+          auto& b = m.blocks[j * per + i];
+          b.to = at[i];
+          at[i] += b.rows;
+          rows += b.rows;
+        }
+        m.recv[j] = rows * dm;
+      }
+    }
+    m.xr.resize(m.erows * dm);
+    ex_->exchange(m.xp.data(), m.send, m.xr.data(), m.recv);
+    m.xe.resize(m.erows * dm);
+    reorder(m, m.xr.data(), m.xe.data(), dm, false);
+    m.ee_pre.resize(m.erows * h);
+    m.ee_act.resize(m.erows * h);
+    m.ye.resize(m.erows * dm);
+    for (size_t i = 0; i < per; ++i) {
+      const expert_at& x = at_.layers[l].experts[me * per + i];
+      const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
+      T* pre = m.ee_pre.data() + first * h;
+      T* act = m.ee_act.data() + first * h;
+      linear(m.xe.data() + first * dm, p_ + x.w1, p_ + x.b1, cnt, dm, h, pre);
+      kc::gelu_forward(pre, act, cnt * h);
+      linear(act, p_ + x.w2, p_ + x.b2, cnt, h, dm, m.ye.data() + first * dm);
+    }
+    reorder(m, m.ye.data(), m.xr.data(), dm, true); // outputs, source-major
+    m.e_out.resize(m.rows * dm);
+    ex_->exchange(m.xr.data(), m.recv, m.e_out.data(), m.send);
+  }
+
+  // The backward of experts_forward_parallel: de_out_ (this rank's permuted
+  // rows) to the owners, their experts' gradients there, dxp_ back.
+  void experts_backward_parallel(size_t l, T* g) {
+    layer_cache<T>& m = caches_[l];
+    const size_t dm = d(), h = c_.expert_ffn, S = ex_->ranks(), me = ex_->rank();
+    const size_t per = c_.experts / S;
+    ex_->exchange(de_out_.data(), m.send, m.xr.data(), m.recv);
+    reorder(m, m.xr.data(), m.ye.data(), dm, false); // d(outputs), expert-major
+    dact_.resize(m.erows * h);
+    dxe_.resize(m.erows * dm);
+    for (size_t i = 0; i < per; ++i) {
+      const expert_at& x = at_.layers[l].experts[me * per + i];
+      const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
+      T* da = dact_.data() + first * h;
+      linear_backward(m.ee_act.data() + first * h, m.ye.data() + first * dm, p_ + x.w2, cnt, h,
+                      dm, g + x.w2, g + x.b2, da, T(0));
+      kc::gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
+      linear_backward(m.xe.data() + first * dm, da, p_ + x.w1, cnt, dm, h, g + x.w1, g + x.b1,
+                      dxe_.data() + first * dm, T(0));
+    }
+    reorder(m, dxe_.data(), m.xr.data(), dm, true);
+    dxp_.resize(m.rows * dm);
+    ex_->exchange(m.xr.data(), m.recv, dxp_.data(), m.send);
   }
 
   void backward(T* g, T loss_scale) {
@@ -344,6 +455,14 @@ private:
     dgates_.resize(n * k);
     kc::unpermute_tokens_backward(dx_.data(), m.e_out.data(), m.row_of.data(), m.gates.data(), n,
                                   k, dm, de_out_.data(), dgates_.data());
+    if constexpr (std::is_same_v<T, float>) {
+      if (ex_) {
+        experts_backward_parallel(l, g);
+        kc::permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
+        router_backward(l, g, loss_scale);
+        return;
+      }
+    }
     dxp_.resize(m.rows * dm);
     dact_.resize(m.rows * h);
     for (size_t i = 0; i < e; ++i) {
@@ -391,12 +510,13 @@ private:
 
   moe_config c_;
   layout at_;
+  expert_exchange* ex_ = nullptr;
   const T* p_ = nullptr;
   size_t n_ = 0;
   std::vector<int32_t> tok_, target_, ctx_idx_;
   std::vector<T> x_, ctx_, mix_pre_, logits_, tmp_;
   std::vector<layer_cache<T>> caches_;
-  std::vector<T> dlogits_, dx_, dctx_, dact_, de_out_, dgates_, dxp_, dprobs_;
+  std::vector<T> dlogits_, dx_, dctx_, dact_, de_out_, dgates_, dxp_, dprobs_, dxe_;
 };
 
 // ---------------------------------------------------------------------------
@@ -423,6 +543,13 @@ public:
 
   size_t experts() const override { return c_.experts; }
   size_t moe_layers() const override { return c_.layers; }
+
+  bool set_expert_exchange(expert_exchange* x) override {
+    if (x && (x->ranks() == 0 || c_.experts % x->ranks() != 0 || x->rank() >= x->ranks()))
+      return false;
+    net_.set_exchange(x);
+    return true;
+  }
 
 private:
   moe_config c_;

@@ -7,8 +7,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -296,4 +300,159 @@ TEST_CASE("moe_lm: 150 AdamW steps learn a repetitive text (loss < 1.0 from ~5.5
                             << 1e3 * seconds / steps << " ms per forward_backward (4x64 tokens)");
   CHECK(first > 5.0);
   CHECK(last < 1.0);
+}
+
+namespace {
+
+/// Expert exchange between models in threads of one process (a unit-test
+/// stand-in for the group communicator): every call is a barrier at which
+/// each rank's send blocks are copied to their receivers.
+class thread_exchange_hub {
+public:
+  explicit thread_exchange_hub(size_t ranks) : n_(ranks), in_(ranks), sends_(ranks) {}
+
+  void all_to_all(size_t me, const char* in, const std::vector<size_t>& send_bytes, char* out,
+                  const std::vector<size_t>& recv_bytes) {
+    std::unique_lock lk(mu_);
+    const uint64_t round = round_;
+    in_[me] = in;
+    sends_[me] = send_bytes;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++round_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lk, [&] { return round_ != round; });
+    }
+    // Everyone's inputs are published; copy mine out of each.
+    size_t at = 0;
+    for (size_t j = 0; j < n_; ++j) {
+      size_t off = 0;
+      for (size_t q = 0; q < me; ++q)
+        off += sends_[j][q];
+      REQUIRE(sends_[j][me] == recv_bytes[j]);
+      std::memcpy(out + at, in_[j] + off, recv_bytes[j]);
+      at += recv_bytes[j];
+    }
+    // A second barrier: nobody reuses its input before all have copied.
+    if (++done_ == n_) {
+      done_ = 0;
+      ++done_round_;
+      cv_.notify_all();
+    } else {
+      const uint64_t r = done_round_;
+      cv_.wait(lk, [&] { return done_round_ != r; });
+    }
+  }
+
+private:
+  size_t n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t arrived_ = 0, done_ = 0;
+  uint64_t round_ = 0, done_round_ = 0;
+  std::vector<const char*> in_;
+  std::vector<std::vector<size_t>> sends_;
+};
+
+class thread_exchange final : public expert_exchange {
+public:
+  thread_exchange(thread_exchange_hub& hub, size_t ranks, size_t me)
+      : hub_(hub), ranks_(ranks), me_(me) {}
+  size_t ranks() const override { return ranks_; }
+  size_t rank() const override { return me_; }
+  bool exchange(const float* in, const std::vector<size_t>& send, float* out,
+                const std::vector<size_t>& recv) override {
+    hub_.all_to_all(me_, reinterpret_cast<const char*>(in), bytes(send, sizeof(float)),
+                    reinterpret_cast<char*>(out), bytes(recv, sizeof(float)));
+    return true;
+  }
+  bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) override {
+    std::vector<size_t> c(ranks_, per_rank);
+    hub_.all_to_all(me_, reinterpret_cast<const char*>(in), bytes(c, sizeof(int64_t)),
+                    reinterpret_cast<char*>(out), bytes(c, sizeof(int64_t)));
+    return true;
+  }
+
+private:
+  static std::vector<size_t> bytes(const std::vector<size_t>& counts, size_t size) {
+    std::vector<size_t> b;
+    for (auto c : counts)
+      b.push_back(c * size);
+    return b;
+  }
+  thread_exchange_hub& hub_;
+  size_t ranks_, me_;
+};
+
+} // namespace
+
+TEST_CASE("moe_lm: experts split over one rank compute exactly what the local experts do") {
+  auto c = tiny_config(2);
+  std::mt19937 rng(5);
+  const batch b = make_batch(repeated_text(4096), 4, 32, rng);
+  auto local = make_moe_lm(c), split = make_moe_lm(c);
+  thread_exchange_hub hub(1);
+  thread_exchange x(hub, 1, 0);
+  REQUIRE(split->set_expert_exchange(&x));
+  auto s1 = local->forward_backward(b);
+  auto s2 = split->forward_backward(b);
+  CHECK(s1.loss == s2.loss);
+  CHECK(s1.aux_loss == s2.aux_loss);
+  auto g1 = local->gradients(), g2 = split->gradients();
+  CHECK(std::memcmp(g1.data(), g2.data(), g1.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("moe_lm: experts split over two ranks: the group's gradient is the local one's") {
+  // Two ranks, each with its own micro-batch (one of them empty in the
+  // second round); the sum of their gradients must match two local runs.
+  auto c = tiny_config(2);
+  std::mt19937 rng(9);
+  const auto text = repeated_text(4096);
+  const batch a = make_batch(text, 3, 32, rng), bb = make_batch(text, 2, 32, rng);
+  batch empty;
+  empty.seq_len = 32;
+  auto reference = make_moe_lm(c);
+  auto ra = reference->forward_backward(a);
+  auto rb = reference->forward_backward(bb);
+  std::vector<float> want(reference->gradients().begin(), reference->gradients().end());
+
+  thread_exchange_hub hub(2);
+  std::vector<std::unique_ptr<model>> ranks;
+  std::vector<std::unique_ptr<thread_exchange>> xs;
+  for (size_t r = 0; r < 2; ++r) {
+    ranks.push_back(make_moe_lm(c));
+    xs.push_back(std::make_unique<thread_exchange>(hub, 2, r));
+    REQUIRE(ranks[r]->set_expert_exchange(xs[r].get()));
+  }
+  step_stats sa, sb;
+  std::thread t0([&] {
+    sa = ranks[0]->forward_backward(a);
+    ranks[0]->forward_backward(empty); // takes part in rank 1's second micro-batch
+  });
+  std::thread t1([&] {
+    sb = ranks[1]->forward_backward(bb);
+    ranks[1]->forward_backward(bb);
+  });
+  t0.join();
+  t1.join();
+  rb = reference->forward_backward(bb); // the reference's third micro-batch
+  want.assign(reference->gradients().begin(), reference->gradients().end());
+  CHECK(sa.loss == doctest::Approx(ra.loss).epsilon(1e-6));
+  CHECK(sb.loss == doctest::Approx(rb.loss).epsilon(1e-6));
+  // Rank 0 owns experts 0-1, rank 1 experts 2-3: each holds its experts'
+  // gradients over both ranks' rows; dense gradients are per rank.
+  auto g0 = ranks[0]->gradients(), g1 = ranks[1]->gradients();
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(g0[i]) + g1[i] - want[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+  }
+  MESSAGE("largest gradient difference " << worst << " (largest gradient " << scale << ")");
+  CHECK(worst <= 1e-5 * scale);
+  // Experts a rank does not own get no gradient there.
+  for (auto& t : ranks[0]->tensors())
+    if (t.expert >= 2)
+      for (size_t i = 0; i < t.size; ++i)
+        REQUIRE(g0[t.offset + i] == 0.0f);
 }
