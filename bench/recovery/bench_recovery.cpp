@@ -12,6 +12,7 @@
 // timestamps shared by all processes) and the workers' log lines.
 //
 //   cmesh_bench_recovery [--kills N] [--seed S] [--quick]
+#include "common/launch.hpp"
 #include "core/env.hpp"
 
 #include <fmt/format.h>
@@ -32,15 +33,6 @@
 #include <vector>
 
 namespace {
-
-std::string self_dir() {
-  char buf[4096];
-  auto n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0)
-    return ".";
-  std::string p(buf, static_cast<size_t>(n));
-  return p.substr(0, p.rfind('/'));
-}
 
 struct event {
   std::string name, line;
@@ -65,14 +57,10 @@ struct run_out {
 run_out launch(const std::string& args) {
   static int serial = 0;
   auto base = fmt::format("/tmp/cmesh_bench_recovery_{}_{}", getpid(), serial++);
-  auto cmd = fmt::format("timeout 900 {}/cmesh launch {} --events {}.jsonl >{}.out 2>&1",
-                         self_dir(), args, base, base);
+  auto l = cmesh::bench::run_launch(base, fmt::format("{} --events {}.jsonl", args, base), 900);
   run_out r;
-  r.status = std::system(cmd.c_str());
-  std::ifstream out(base + ".out");
-  std::stringstream ss;
-  ss << out.rdbuf();
-  r.output = ss.str();
+  r.status = l.status;
+  r.output = std::move(l.output);
   std::ifstream in(base + ".jsonl");
   std::string line;
   std::regex name_re("\"event\":\"([a-z_]+)\"");
@@ -82,7 +70,6 @@ run_out launch(const std::string& args) {
     if (std::regex_search(line, a, name_re) && std::regex_search(line, b, mono_re))
       r.events.push_back({a[1].str(), line, std::stod(b[1].str())});
   }
-  std::remove((base + ".out").c_str());
   std::remove((base + ".jsonl").c_str());
   return r;
 }

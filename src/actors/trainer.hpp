@@ -164,7 +164,7 @@ struct trainer_options {
   std::function<void(const step_report&)> on_step; // called on every commit
   /// Committed updates kept for members that fall behind (reconciliation at
   /// an epoch's start): a member more than this many steps behind is fenced.
-  size_t replay_window = 16;
+  size_t replay_window = 4;
 };
 
 /// The step loop. Without a supervision: over one fixed communicator of

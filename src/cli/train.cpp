@@ -3,15 +3,20 @@
 #include "actors/agent.hpp"
 #include "actors/trainer.hpp"
 #include "collectives/host/host_communicator.hpp"
+#include "kernels/gemm.hpp"
 #include "model/moe_lm.hpp"
 
+#include "core/env.hpp"
 #include "core/spawn.hpp"
 
 #include <caf/all.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <sys/resource.h>
+
 #include <future>
+#include <memory>
 #include <thread>
 
 namespace cmesh::cli {
@@ -48,6 +53,27 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
              "comm {:>5.1f} ms  imbalance {:.2f}  dropped {}\n",
              r.step, r.loss, r.aux_loss, r.tokens_per_s, r.step_ms, r.comm_ms,
              r.expert_imbalance, r.dropped);
+  std::fflush(stdout);
+}
+
+// The rank's own figures, printed after its "done" report: the matrix
+// products' rate and time (kernels::cpu::gemm_counters), the committed
+// steps' summed time and the peak resident memory. With CMESH_GEMM_SHAPES
+// set, one line per distinct product shape follows (bench/train reads them).
+void print_stats(uint32_t rank, double step_ms_total) {
+  const auto g = kernels::cpu::gemm_counters();
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru); // ru_maxrss in KiB
+  fmt::print("cmesh: rank {} stats gemm_gflops={:.2f} gemm_ms={:.1f} gemm_calls={} "
+             "step_ms_total={:.1f} max_rss_mb={:.1f}\n",
+             rank, g.ns ? static_cast<double>(g.flops) / static_cast<double>(g.ns) : 0.0,
+             static_cast<double>(g.ns) / 1e6, g.calls, step_ms_total,
+             static_cast<double>(ru.ru_maxrss) / 1024.0);
+  if (env_string("CMESH_GEMM_SHAPES"))
+    for (const auto& s : kernels::cpu::gemm_shape_counters())
+      fmt::print("cmesh: rank {} gemm shape={}{} m={} n={} k={} calls={} ms={:.3f}\n", rank,
+                 s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, s.calls,
+                 static_cast<double>(s.ns) / 1e6);
   std::fflush(stdout);
 }
 
@@ -95,7 +121,9 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                "the built-in MoE model", replicas, size / replicas, (*data)->origin(), config.train.steps,
                config.train.global_batch, config.train.precision, config.train.exact ? ", exact" : "");
   size_t every = config.train.log_every, total = config.train.steps;
-  opts.on_step = [every, total](const actors::step_report& r) {
+  auto step_ms_total = std::make_shared<double>(0.0); // read once the trainer is done
+  opts.on_step = [every, total, step_ms_total](const actors::step_report& r) {
+    *step_ms_total += r.step_ms;
     if (r.first_member)
       print_progress(r, every, total);
   };
@@ -145,6 +173,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                               result->steps, result->final_loss, result->tokens_per_s,
                               result->seconds, result->weights_xxh64),
                   mono_ns()});
+  print_stats(rank, *step_ms_total);
   // Beacons go on until the job ends, so the coordinator never mistakes a
   // finished rank for a dead one while the others finish. A coordinator
   // that is away is waited for (the agent reconnects to its restart).

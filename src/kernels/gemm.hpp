@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 namespace cmesh::kernels::cpu {
 
@@ -25,6 +27,30 @@ void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t 
 void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, double alpha,
           const double* a, std::size_t lda, const double* b, std::size_t ldb, double beta,
           double* c, std::size_t ldc);
+
+/// What the float gemm() has done in this process since it started: the
+/// products handed to OpenBLAS, their flops (2 m n k each) and the wall time
+/// spent inside it. Relaxed atomic counters, cheap enough to stay on; the
+/// worker prints them at the end of a run.
+struct gemm_totals {
+  std::uint64_t calls = 0;
+  std::uint64_t flops = 0;
+  std::uint64_t ns = 0;
+};
+gemm_totals gemm_counters();
+
+/// The same per distinct product (transposes and sizes), for the first 256
+/// distinct ones seen; products of a shape seen later count in the totals
+/// only, as do those with m of 2^20 or more, or n or k of 2^21 or more. In
+/// no particular order.
+struct gemm_shape_totals {
+  bool trans_a = false;
+  bool trans_b = false;
+  std::size_t m = 0, n = 0, k = 0;
+  std::uint64_t calls = 0;
+  std::uint64_t ns = 0;
+};
+std::vector<gemm_shape_totals> gemm_shape_counters();
 
 /// y[r, j] += bias[j] for r < rows, j < cols (y is row-major [rows, cols]).
 void add_row_bias(float* y, const float* bias, std::size_t rows, std::size_t cols);

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
 
 namespace cmesh::kernels::cpu {
@@ -36,7 +37,83 @@ CBLAS_TRANSPOSE op(bool t) { return t ? CblasTrans : CblasNoTrans; }
 
 int i(std::size_t v) { return static_cast<int>(v); }
 
+// Counters of the float products (see gemm_counters()).
+std::atomic<std::uint64_t> total_calls{0}, total_flops{0}, total_ns{0};
+
+// Per shape: an open-addressed table of 256 slots keyed by the packed shape
+// (never 0: sizes are at least 1). A slot is claimed once, by compare and
+// swap, and never freed, so a lookup needs no lock. (Expert products alone
+// come in a shape per token count an expert receives.)
+constexpr int shape_slot_bits = 8;
+constexpr std::size_t shape_slots = std::size_t(1) << shape_slot_bits;
+constexpr int m_bits = 20, nk_bits = 21;
+struct shape_slot {
+  std::atomic<std::uint64_t> key{0}, calls{0}, ns{0};
+};
+shape_slot shapes[shape_slots];
+
+std::uint64_t shape_key(bool ta, bool tb, std::size_t m, std::size_t n, std::size_t k) {
+  if (m >> m_bits || n >> nk_bits || k >> nk_bits)
+    return 0;
+  return (std::uint64_t(ta) << 63) | (std::uint64_t(tb) << 62)
+         | (std::uint64_t(m) << (2 * nk_bits)) | (std::uint64_t(n) << nk_bits) | k;
+}
+
+void count_product(bool ta, bool tb, std::size_t m, std::size_t n, std::size_t k,
+                   std::uint64_t ns) {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  total_calls.fetch_add(1, relaxed);
+  total_flops.fetch_add(2 * std::uint64_t(m) * n * k, relaxed);
+  total_ns.fetch_add(ns, relaxed);
+  const std::uint64_t key = shape_key(ta, tb, m, n, k);
+  if (key == 0)
+    return;
+  const auto home =
+    static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ull) >> (64 - shape_slot_bits));
+  for (std::size_t probe = 0; probe < shape_slots; ++probe) {
+    auto& s = shapes[(home + probe) % shape_slots];
+    std::uint64_t seen = s.key.load(relaxed);
+    if (seen == 0 && s.key.compare_exchange_strong(seen, key, relaxed))
+      seen = key;
+    if (seen == key) {
+      s.calls.fetch_add(1, relaxed);
+      s.ns.fetch_add(ns, relaxed);
+      return;
+    }
+  }
+}
+
 } // namespace
+
+gemm_totals gemm_counters() {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  gemm_totals t;
+  t.calls = total_calls.load(relaxed);
+  t.flops = total_flops.load(relaxed);
+  t.ns = total_ns.load(relaxed);
+  return t;
+}
+
+std::vector<gemm_shape_totals> gemm_shape_counters() {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  constexpr std::uint64_t nk_mask = (std::uint64_t(1) << nk_bits) - 1;
+  std::vector<gemm_shape_totals> out;
+  for (auto& s : shapes) {
+    const std::uint64_t key = s.key.load(relaxed);
+    if (key == 0)
+      continue;
+    gemm_shape_totals t;
+    t.trans_a = (key >> 63) & 1;
+    t.trans_b = (key >> 62) & 1;
+    t.m = static_cast<std::size_t>((key >> (2 * nk_bits)) & ((std::uint64_t(1) << m_bits) - 1));
+    t.n = static_cast<std::size_t>((key >> nk_bits) & nk_mask);
+    t.k = static_cast<std::size_t>(key & nk_mask);
+    t.calls = s.calls.load(relaxed);
+    t.ns = s.ns.load(relaxed);
+    out.push_back(t);
+  }
+  return out;
+}
 
 void set_blas_threads(int n) {
   wanted_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed);
@@ -53,8 +130,13 @@ void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t 
   if (k == 0)
     return scale_only(m, n, beta, c, ldc);
   apply_threads();
+  const auto t0 = std::chrono::steady_clock::now();
   cblas_sgemm(CblasRowMajor, op(trans_a), op(trans_b), i(m), i(n), i(k), alpha, a, i(lda), b,
               i(ldb), beta, c, i(ldc));
+  const auto dt = std::chrono::steady_clock::now() - t0;
+  count_product(trans_a, trans_b, m, n, k,
+                static_cast<std::uint64_t>(
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count()));
 }
 
 void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, double alpha,
