@@ -261,8 +261,9 @@ caf::error trainer::impl::split_epoch() {
   }
   if (g.ranks.size() != S || m.ranks.size() % S != 0)
     return make_error(errc::invalid_argument,
-                      fmt::format("epoch {} does not hold whole replica groups of {} ranks", m.epoch,
-                                  S));
+                      fmt::format("epoch {} does not hold whole replica groups of {} ranks: does "
+                                  "the coordinator have the workers' --replicas?",
+                                  m.epoch, S));
   auto gc = sup->sub_communicator(0, std::move(g));
   if (!gc)
     return gc.error();
@@ -416,7 +417,8 @@ expected<train_result> trainer::run() {
         e = I.reconcile(st);
       if (!e)
         return {};
-      if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable)
+      if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable
+          || code_of(e) == errc::invalid_argument) // e.g. layouts that disagree
         return e;
       spdlog::warn("trainer: epoch {} failed while reconciling: {}", after, describe(e));
       why = e;
