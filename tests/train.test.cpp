@@ -157,4 +157,8 @@ TEST_CASE("bad configs and layouts are clear errors") {
   r = run_cmesh("launch -n 3 --replicas 2");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("replica groups") != std::string::npos);
+  // 4 experts (the default) cannot be split over a group of 3 ranks.
+  r = run_cmesh("launch -n 3 --replicas 1");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("does not divide over 3 ranks per group") != std::string::npos);
 }

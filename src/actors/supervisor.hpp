@@ -3,18 +3,22 @@
 // It listens to the coordinator's worker events (registrations, status
 // beacons, disconnects) and, on every change and every tick, asks
 // recovery::compute_quorum what the next epoch is, with the replica groups
-// as members (one rank per group in this layout, so group id = rank):
-//   - a member is live while its connection is open and its beacons keep
+// as members (group g is ranks g*S .. g*S+S-1; its incarnation is the
+// newest of its ranks', so a restarted rank makes the group a new member):
+//   - a rank is live while its connection is open and its beacons keep
 //     coming (heartbeat_timeout_ms of silence is death: a SIGSTOPped rank);
-//     a closed connection (SIGKILL) is death at once;
-//   - a non-member counts as a joiner only once it is `ready` (caught up and
-//     following its source's stream), or, before the first epoch, `fresh`;
+//     a closed connection (SIGKILL) is death at once; a group lives while
+//     all its ranks do with the incarnations they had in the epoch;
+//   - a non-member group counts as a joiner only once every rank of it is
+//     `ready` (caught up and following its source's stream), or, before the
+//     first epoch, `fresh`;
 //   - a new epoch is pushed at once to every connected worker
 //     (epoch_notice); a `fail` decision is pushed too, and failure() says
 //     why (every group dead, or too few left: a restart from a checkpoint
 //     is needed).
 // Catch-up: a restarted rank (non-member, `fresh` after the first epoch) is
-// given a source among the live members, rotating over them session by
+// given a source among the live members at its own position in their
+// groups (they hold the same shard), rotating over them session by
 // session, and both are sent a catchup_assign. A joiner whose session
 // failed reports `fresh` with that session again and gets a new one.
 //
