@@ -320,7 +320,7 @@ void agent::impl::serve(session_ptr s) {
     std::vector<float>().swap(s->adam_m);
     std::vector<float>().swap(s->adam_v);
   };
-  auto sctx = coll::host_context::create(o.rank);
+  auto sctx = coll::host_context::create(o.rank, coll::bulk_protocol::eager);
   if (!sctx)
     return fail(sctx.error());
   auto cl = client();
@@ -403,7 +403,7 @@ void agent::impl::serve(session_ptr s) {
 caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
                                 const apply_update& apply) {
   set_status(wire::worker_status::catching_up, {}, {}, a.session);
-  auto jctx = coll::host_context::create(o.rank);
+  auto jctx = coll::host_context::create(o.rank, coll::bulk_protocol::eager);
   if (!jctx)
     return jctx.error();
   // Losses of the source heard of since the assignment came end the session.

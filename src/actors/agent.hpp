@@ -23,7 +23,8 @@
 //
 // Catch-up sessions run a two-member host communicator on a host context of
 // their own (one UCP worker per session, so the trainer's worker is never
-// touched from another thread) with epoch id catchup_epoch(session), a
+// touched from another thread; eager protocol, since rendezvous moved these
+// buffers sent once ten times slower) with epoch id catchup_epoch(session), a
 // namespace that training epochs (below 2^15) never reach.
 #pragma once
 

@@ -1,5 +1,7 @@
 #include "transport/ucx.hpp"
 
+#include <cstdlib>
+
 namespace cmesh::ucx {
 
 caf::error status_error(ucs_status_t st, const char* what) {
@@ -14,9 +16,18 @@ worker_handle::~worker_handle() {
     ucp_cleanup(context_);
 }
 
-caf::error worker_handle::init(const std::string& name) {
+caf::error worker_handle::init(const std::string& name,
+                               const std::vector<std::pair<std::string, std::string>>& options) {
   ucp_config_t* config = nullptr;
   UCS_CHECK(ucp_config_read(nullptr, nullptr, &config));
+  for (auto& [key, value] : options) {
+    if (std::getenv(("UCX_" + key).c_str()) != nullptr)
+      continue; // the user's setting wins
+    if (auto st = ucp_config_modify(config, key.c_str(), value.c_str()); st != UCS_OK) {
+      ucp_config_release(config);
+      return status_error(st, "ucp_config_modify");
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME
                       | UCP_PARAM_FIELD_MT_WORKERS_SHARED;

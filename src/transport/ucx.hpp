@@ -7,6 +7,8 @@
 #include <ucp/api/ucp.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cmesh::ucx {
 
@@ -31,7 +33,10 @@ public:
   worker_handle& operator=(const worker_handle&) = delete;
 
   /// Creates context and worker for single-threaded use (one progress thread).
-  caf::error init(const std::string& name);
+  /// `config` sets UCP options (name without the UCX_ prefix, value) that
+  /// the environment does not set already.
+  caf::error init(const std::string& name,
+                  const std::vector<std::pair<std::string, std::string>>& config = {});
 
   ucp_context_h context() const { return context_; }
   ucp_worker_h worker() const { return worker_; }

@@ -27,10 +27,13 @@ struct host_context::impl {
 host_context::host_context() : impl_(std::make_unique<impl>()) {}
 host_context::~host_context() = default;
 
-expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank) {
+expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank, bulk_protocol bulk) {
   std::shared_ptr<host_context> ctx(new host_context());
   ctx->impl_->rank = rank;
-  if (auto err = ctx->impl_->ucx.init("cmesh-coll-" + std::to_string(rank)))
+  std::vector<std::pair<std::string, std::string>> config;
+  if (bulk == bulk_protocol::eager)
+    config.emplace_back("RNDV_THRESH", "inf");
+  if (auto err = ctx->impl_->ucx.init("cmesh-coll-" + std::to_string(rank), config))
     return err;
   return ctx;
 }

@@ -43,10 +43,20 @@ struct host_options {
   std::chrono::milliseconds rendezvous_timeout{30000};
 };
 
-/// One UCP worker for the collectives of this process.
+/// How a host context moves large messages (docs/design.md, Collectives).
+enum class bulk_protocol : uint8_t {
+  automatic, // UCX's choice: rendezvous (the receiver pulls) above its threshold
+  eager,     // copied through shared memory whatever the size (UCX_RNDV_THRESH
+             // = inf): for buffers sent once (catch-up snapshots), which
+             // rendezvous moved ten times slower on the machines measured
+};
+
+/// One UCP worker for the collectives of this process. A UCX_RNDV_THRESH in
+/// the environment overrides `bulk`.
 class host_context {
 public:
-  static expected<std::shared_ptr<host_context>> create(uint32_t rank);
+  static expected<std::shared_ptr<host_context>> create(
+    uint32_t rank, bulk_protocol bulk = bulk_protocol::automatic);
   ~host_context();
 
   uint32_t rank() const;
