@@ -122,8 +122,10 @@ struct agent::impl {
     auto h = o.host;
     h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
     // Catch-up runs beside training: it must not spin on a core the
-    // trainers need while it waits for its peer.
+    // trainers need while it waits for its peer (a joiner waits a whole
+    // step for each update): it sleeps on the worker's events.
     h.spin_before_yield = 1;
+    h.sleep_when_idle = std::chrono::milliseconds(2);
     return h;
   }
 };

@@ -7,6 +7,7 @@
 #include "transport/bootstrap.hpp"
 #include "transport/ucx.hpp"
 
+#include <poll.h>
 #include <sched.h>
 #include <spdlog/spdlog.h>
 
@@ -339,10 +340,21 @@ bool host_comm::test(req_id id) {
 }
 
 caf::error host_comm::progress() {
-  if (ucp_worker_progress(worker()) != 0)
+  if (ucp_worker_progress(worker()) != 0) {
     idle_polls_ = 0;
-  else if (++idle_polls_ >= static_cast<uint64_t>(opts_.spin_before_yield))
-    sched_yield(); // an oversubscribed machine needs the core for the peer
+  } else if (++idle_polls_ >= static_cast<uint64_t>(opts_.spin_before_yield)) {
+    if (opts_.sleep_when_idle.count() > 0
+        && idle_polls_ >= static_cast<uint64_t>(opts_.idle_polls_before_sleep)) {
+      // Off the core until the worker has an event (or the slice ends and
+      // failures are checked): for operations that wait long on a peer.
+      if (ucp_worker_arm(worker()) == UCS_OK) {
+        pollfd p{ctx_->internals().ucx.event_fd(), POLLIN, 0};
+        ::poll(&p, 1, static_cast<int>(opts_.sleep_when_idle.count()));
+      }
+    } else {
+      sched_yield(); // an oversubscribed machine needs the core for the peer
+    }
+  }
   if ((++polls_ & 63) != 0 && !latch_.abort_requested()
       && ep_failed_.load(std::memory_order_relaxed) < 0)
     return {};

@@ -40,6 +40,12 @@ struct host_options {
   size_t chunk_bytes = 512 * 1024;
   size_t small_bytes_max = 64 * 1024; // recursive doubling up to here
   int64_t spin_before_yield = 200;    // consecutive idle polls before yielding the core
+  /// Above zero: past idle_polls_before_sleep idle polls (a wait, not a
+  /// transfer in progress), sleep on the worker's event descriptor for up
+  /// to this long at a time instead of yielding (waits that may last a
+  /// step, beside training that needs the cores).
+  std::chrono::milliseconds sleep_when_idle{0};
+  int64_t idle_polls_before_sleep = 2000;
   std::chrono::milliseconds rendezvous_timeout{30000};
 };
 
