@@ -113,3 +113,25 @@ TEST_CASE("SIGSTOP of a peer: the heartbeat bound fires") {
   // before a hang would.
   check_loss(3, 2, SIGSTOP, errc::peer_unresponsive, 4000ms);
 }
+
+TEST_CASE("a peer whose send queue stays full is fenced: its monitors see queue_full") {
+  // Heartbeats far longer than the backpressure wait, so the full queue is
+  // what ends it; a small queue of 64 KiB blobs fills in milliseconds.
+  node_harness h(2, {{"CMESH_HEARTBEAT_TIMEOUT_MS", "30000"},
+                     {"CMESH_SEND_QUEUE_MAX", "64"},
+                     {"CMESH_SEND_BLOCK_MS", "300"}});
+  h.spawn_all("cmesh_test_node", {"flood"});
+  for (uint32_t r = 0; r < 2; ++r)
+    REQUIRE(h.report(r, "ready"));
+  REQUIRE(h.node(1).signal(SIGSTOP)); // before rank 0 starts sending (1 s)
+  auto rep = h.report(0, "down", 30s);
+  h.node(1).signal(SIGCONT);
+  REQUIRE(rep);
+  auto d = parse_down(*rep);
+  CHECK(d.rank == 1);
+  CHECK(d.reason == std::string(to_string(errc::queue_full)));
+  auto flood = h.report(0, "flood", 30s);
+  REQUIRE(flood);
+  MESSAGE("messages sent before the fence: " << flood->value);
+  h.node(1).kill_and_reap();
+}

@@ -6,6 +6,8 @@
 //   cmesh_test_node payload <bytes>        every rank sends one blob to rank+1
 //   cmesh_test_node survive <victims...>   watch for the victims' loss, then
 //                                          check the survivors still answer
+//   cmesh_test_node flood                  rank 0 floods rank 1 (stopped by
+//                                          the test) until it is fenced
 #include "core/env.hpp"
 #include "transport/join.hpp"
 #include "transport/mesh.hpp"
@@ -16,9 +18,11 @@
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
+#include <atomic>
 #include <future>
 #include <random>
 #include <set>
+#include <thread>
 
 using namespace cmesh;
 using namespace std::chrono_literals;
@@ -117,6 +121,51 @@ int run_payload(context& c, uint64_t bytes) {
   return 0;
 }
 
+// -- flood -----------------------------------------------------------------------
+
+// Rank 1 publishes a sink and is stopped by the test; rank 0 watches it and,
+// a second after everyone is ready, sends it 64 KiB blobs until its monitor
+// fires: the send queue fills, and the peer is fenced with queue_full.
+int run_flood(context& c) {
+  if (c.rank != 0) {
+    auto sink = spawn_event_based(*c.sys, [](caf::event_based_actor*) -> caf::behavior {
+      return {[](const wire::blob&) {}};
+    });
+    c.m->publish("sink", sink);
+    c.start();
+    c.report("ready", "");
+    c.j->coordinator.wait_shutdown(120s);
+    caf::anon_send_exit(sink, caf::exit_reason::user_shutdown);
+    return 0;
+  }
+  c.start();
+  auto target = c.m->remote(1, "sink");
+  auto down = std::make_shared<std::atomic<bool>>(false);
+  auto watcher = spawn_event_based(*c.sys, [&c, target, down](caf::event_based_actor* self) {
+    self->monitor(target);
+    self->set_down_handler([&c, down](caf::down_msg& d) {
+      c.report("down", "1 " + std::string(to_string(code_of(d.reason))) + " "
+                         + std::to_string(mono_ns()));
+      down->store(true);
+    });
+    return caf::behavior{[](int) {}};
+  });
+  c.report("ready", "");
+  std::this_thread::sleep_for(1s);
+  uint64_t sent = 0;
+  auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!down->load() && std::chrono::steady_clock::now() < deadline) {
+    wire::blob b;
+    b.seq = sent++;
+    b.payload = bulk::allocate(64 << 10);
+    caf::anon_send(target, std::move(b));
+  }
+  c.report("flood", std::to_string(sent));
+  c.j->coordinator.wait_shutdown(120s);
+  caf::anon_send_exit(watcher, caf::exit_reason::user_shutdown);
+  return 0;
+}
+
 // -- survive ---------------------------------------------------------------------
 
 int run_survive(context& c, std::set<uint32_t> victims) {
@@ -209,6 +258,8 @@ int main(int argc, char** argv) {
       rc = run_order(c, argc > 2 ? std::stoull(argv[2]) : 100000);
     } else if (scenario == "payload") {
       rc = run_payload(c, argc > 2 ? std::stoull(argv[2]) : (size_t{256} << 20));
+    } else if (scenario == "flood") {
+      rc = run_flood(c);
     } else if (scenario == "survive") {
       std::set<uint32_t> victims;
       for (int i = 2; i < argc; ++i)
@@ -218,7 +269,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "unknown scenario %s\n", scenario.c_str());
       rc = 2;
     }
-    if (scenario != "survive")
+    if (scenario != "survive" && scenario != "flood")
       c.j->coordinator.wait_shutdown(120s);
     j->net->stop();
   }
