@@ -215,7 +215,7 @@ int run_survive(context& c, std::set<uint32_t> victims) {
           self->send(c.m->remote(r, "echo"), wire::sequenced{c.rank, r, 0});
       }
     });
-    return caf::behavior{[=, &served, survivors](const wire::ack&) {
+    return caf::behavior{[=, &served](const wire::ack&) {
       if (++*acks == survivors.size())
         served.set_value("ok " + std::to_string(*acks));
     }};
