@@ -501,6 +501,51 @@ expected<train_result> trainer::run() {
       I.shard_grad.resize(my_params.size());
       update = I.shard_grad;
     }
+    // This rank's micro-batches, their gradients (of the loss times
+    // `loss_scale`) added up. With the experts split over the group, every
+    // rank runs as many micro-batches as the one with the most (the
+    // experts' exchanges are collective): empty ones make up the difference.
+    auto compute = [&](float loss_scale) {
+      size_t runs = mine.size();
+      if (I.expert_parallel) {
+        I.experts.reset(I.group);
+        for (size_t q = 0; q < S; ++q)
+          runs = std::max(runs, model::micro_batches_of(micro_total, world / S,
+                                                        comm.index() / S, S, q).size());
+      }
+      model::batch empty;
+      empty.seq_len = tc.seq_len;
+      for (size_t k = 0; k < runs; ++k) {
+        if (k < mine.size())
+          account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k]),
+                                       loss_scale));
+        else
+          net.forward_backward(empty, loss_scale);
+      }
+      if (I.expert_parallel)
+        if (auto e = I.experts.take_error(); e && !latched)
+          latched = e;
+      if (I.sup)
+        I.sup->computing(false);
+    };
+    // Sums every rank's gradient `full` (count elements of t) into this
+    // rank's shard `sum`: with one rank per group an all_reduce over
+    // everyone in place (`sum` is `full`), else a reduce_scatter over the
+    // group and an all_reduce over the shard's holders.
+    auto reduce = [&](void* full, size_t count, void* sum, coll::dtype t) {
+      if (!I.group) {
+        I.collective(latched, [&] {
+          return comm.all_reduce(full, count, t, coll::reduce_op::sum);
+        });
+        return;
+      }
+      I.collective(latched, [&] {
+        return I.group->reduce_scatter(full, sum, I.shards.counts, t, coll::reduce_op::sum);
+      });
+      I.collective(latched, [&] {
+        return I.cross->all_reduce(sum, I.shards.counts[I.position], t, coll::reduce_op::sum);
+      });
+    };
     if (tc.exact) {
       // Each micro-batch's gradient is one contribution, turned into fixed
       // point before any sum, so no float sum depends on the layout.
@@ -525,72 +570,20 @@ expected<train_result> trainer::run() {
     } else if (I.bf16) {
       // Gradients of the scaled loss, summed as bf16.
       const float scale = I.scalars[0];
-      for (auto m : mine)
-        account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m), scale));
-      if (I.sup)
-        I.sup->computing(false);
+      compute(scale);
       I.wire16.resize(grads.size());
       kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
-      if (!I.group) {
-        I.collective(latched, [&] {
-          return comm.all_reduce(I.wire16.data(), I.wire16.size(), coll::dtype::bfloat16,
-                                 coll::reduce_op::sum);
-        });
-        kernels::cpu::bf16_to_float(I.wire16.data(), update.data(), update.size());
-      } else {
+      uint16_t* sum16 = I.wire16.data(); // the group of one rank sums in place
+      if (I.group) {
         I.shard16.resize(update.size());
-        I.collective(latched, [&] {
-          return I.group->reduce_scatter(I.wire16.data(), I.shard16.data(), I.shards.counts,
-                                         coll::dtype::bfloat16, coll::reduce_op::sum);
-        });
-        I.collective(latched, [&] {
-          return I.cross->all_reduce(I.shard16.data(), I.shard16.size(), coll::dtype::bfloat16,
-                                     coll::reduce_op::sum);
-        });
-        kernels::cpu::bf16_to_float(I.shard16.data(), update.data(), update.size());
+        sum16 = I.shard16.data();
       }
+      reduce(I.wire16.data(), I.wire16.size(), sum16, coll::dtype::bfloat16);
+      kernels::cpu::bf16_to_float(sum16, update.data(), update.size());
       kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
     } else {
-      if (I.expert_parallel) {
-        // Every rank of the group runs as many micro-batches as the one
-        // with the most (the experts' exchanges are collective): empty
-        // ones make up the difference.
-        I.experts.reset(I.group);
-        size_t most = 0;
-        for (size_t q = 0; q < S; ++q)
-          most = std::max(most, model::micro_batches_of(micro_total, world / S, comm.index() / S,
-                                                        S, q).size());
-        model::batch empty;
-        empty.seq_len = tc.seq_len;
-        for (size_t k = 0; k < most; ++k) {
-          if (k < mine.size())
-            account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k])));
-          else
-            net.forward_backward(empty);
-        }
-        if (auto e = I.experts.take_error(); e && !latched)
-          latched = e;
-      } else {
-        for (auto m : mine)
-          account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, m)));
-      }
-      if (I.sup)
-        I.sup->computing(false);
-      if (!I.group) {
-        I.collective(latched, [&] {
-          return comm.all_reduce(grads.data(), grads.size(), coll::dtype::float32,
-                                 coll::reduce_op::sum);
-        });
-      } else {
-        I.collective(latched, [&] {
-          return I.group->reduce_scatter(grads.data(), update.data(), I.shards.counts,
-                                         coll::dtype::float32, coll::reduce_op::sum);
-        });
-        I.collective(latched, [&] {
-          return I.cross->all_reduce(update.data(), update.size(), coll::dtype::float32,
-                                     coll::reduce_op::sum);
-        });
-      }
+      compute(1.0f);
+      reduce(grads.data(), grads.size(), update.data(), coll::dtype::float32);
     }
     // The mean gradient over the global batch, clipped by its global norm.
     kernels::cpu::scale_in_place(update.data(), 1.0f / static_cast<float>(micro_total),
