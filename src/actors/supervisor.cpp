@@ -288,7 +288,7 @@ void supervisor::impl::decide(int64_t now) {
     for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
       auto it = workers.find(r);
       if (it == workers.end() || it->second.incarnation == 0) {
-        complete = false;
+        complete = same = false; // a group without all its ranks is no survivor
         break;
       }
       auto& w = it->second;
