@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <random>
+#include <regex>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -126,6 +127,16 @@ inline abort_report parse_abort(const wire::report& r) {
 }
 
 /// A random seed, or CMESH_SEED to replay one; callers print it.
+/// The first capture group of every match of `pattern` in `text`, in order.
+inline std::vector<std::string> captures(const std::string& text, const std::string& pattern) {
+  std::vector<std::string> out;
+  std::regex re(pattern);
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator();
+       ++it)
+    out.push_back((*it)[1].str());
+  return out;
+}
+
 inline uint64_t test_seed() {
   uint64_t s = std::random_device{}();
   if (const char* v = std::getenv("CMESH_SEED"))

@@ -191,12 +191,9 @@ TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one 
   }
   CHECK(kills >= 1); // the second is skipped if group 0 is not back by then
   CHECK(grows >= 2); // the first epoch, and the restarted group's return
-  std::set<std::string> ws;
-  std::regex re("done \\(steps=100 .*weights=([0-9a-f]{16})\\)");
-  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
-       it != std::sregex_iterator(); ++it)
-    ws.insert((*it)[1].str());
-  CHECK(ws.size() == 1);
+  auto ws = captures(r.output, "done \\(steps=100 .*weights=([0-9a-f]{16})\\)");
+  CHECK(!ws.empty());
+  CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
 }
 
 TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights bit-identical") {

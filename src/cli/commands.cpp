@@ -90,7 +90,7 @@ expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord
     return log.error();
   actors::supervisor_options so;
   so.groups = static_cast<uint32_t>(replica_groups(job.train, job.world_size));
-  so.ranks_per_group = static_cast<uint32_t>(job.world_size / so.groups);
+  so.ranks_per_group = static_cast<uint32_t>(ranks_per_group(job.train, job.world_size));
   so.target_step = target_step;
   so.quorum.min_replicas = job.supervise.min_replicas;
   so.quorum.join_window_ms = job.supervise.join_window_ms;
@@ -400,8 +400,7 @@ int run_launch(const job_options& job) {
                           {"step", step}});
       workers[r].signal(sig);
     };
-    const uint32_t per_group =
-      static_cast<uint32_t>(job.world_size / replica_groups(job.train, job.world_size));
+    const auto per_group = static_cast<uint32_t>(ranks_per_group(job.train, job.world_size));
     auto tick = [&](const actors::supervisor::view& v) -> std::string {
       auto now = clock::now();
       // Chaos: actions whose step the members reached.

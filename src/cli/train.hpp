@@ -28,6 +28,11 @@ inline size_t replica_groups(const train_flags& f, size_t world_size) {
   return f.replicas == 0 ? world_size : f.replicas;
 }
 
+/// The ranks of each replica group S (a layout resolve_config accepted).
+inline size_t ranks_per_group(const train_flags& f, size_t world_size) {
+  return world_size / replica_groups(f, world_size);
+}
+
 /// Runs the trainer of this rank on a joined mesh with a config from
 /// resolve_config, under the coordinator's supervision (epochs, retries,
 /// catch-up), reports "done" (or "failed", "fenced") to the coordinator and
