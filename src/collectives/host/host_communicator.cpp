@@ -700,11 +700,11 @@ caf::error host_comm::reduce_scatter(const void* in, void* out, const std::vecto
   auto own = blocks[me_];
   const size_t es = size_of(t);
   caf::error e;
-  if (n() == 1)
-    std::memcpy(out, static_cast<const uint8_t*>(in) + own.offset * es, own.count * es);
-  else
+  if (n() > 1)
     e = ring_reduce_scatter(static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out), blocks,
                             t, op);
+  else if (own.count > 0) // an empty block may come with null buffers
+    std::memcpy(out, static_cast<const uint8_t*>(in) + own.offset * es, own.count * es);
   if (!e && op == reduce_op::avg)
     scale_down(out, own.count, t, n());
   if (!e && has_overflow_marker(out, own.count, t, op))
@@ -721,7 +721,7 @@ caf::error host_comm::all_gather(const void* in, void* out, const std::vector<si
   auto blocks = blocks_of(counts);
   const size_t es = size_of(t);
   auto* o8 = static_cast<uint8_t*>(out);
-  if (o8 + blocks[me_].offset * es != in)
+  if (blocks[me_].count > 0 && o8 + blocks[me_].offset * es != in)
     std::memmove(o8 + blocks[me_].offset * es, in, blocks[me_].count * es);
   caf::error e;
   if (n() > 1)
@@ -763,7 +763,8 @@ caf::error host_comm::all_to_allv(const void* in, const std::vector<size_t>& sen
     size_t j = (me_ + k) % n(); // staggered, so not everyone sends to 0 first
     isend(j, i8 + sb[j].offset * es, sb[j].count * es, 0);
   }
-  std::memmove(o8 + rb[me_].offset * es, i8 + sb[me_].offset * es, sb[me_].count * es);
+  if (sb[me_].count > 0) // an empty block may come with null buffers
+    std::memmove(o8 + rb[me_].offset * es, i8 + sb[me_].offset * es, sb[me_].count * es);
   return end({});
 }
 
