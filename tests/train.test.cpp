@@ -40,6 +40,9 @@ run_result train(const std::string& args) {
   auto r = run_cmesh("launch " + args, {}, 600s);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
+  // No faults are injected here: a worker that died (a crash, a sanitizer
+  // report) and was restarted is a failure, even if the job recovered.
+  CHECK(r.output.find("restarting worker") == std::string::npos);
   return r;
 }
 
