@@ -31,6 +31,17 @@ std::map<int, double> loss_curve(const std::string& out) {
   return curve;
 }
 
+/// The largest difference in loss between two curves of the same steps.
+double largest_difference(const std::map<int, double>& a, const std::map<int, double>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (auto [step, loss] : a) {
+    REQUIRE(b.count(step) == 1);
+    worst = std::max(worst, std::abs(loss - b.at(step)));
+  }
+  return worst;
+}
+
 /// The final weights each rank reported, in the order of their lines.
 std::vector<std::string> rank_weights(const std::string& out) {
   return captures(out, "rank [0-9]+ done [^\n]*weights=([0-9a-f]+)");
@@ -71,10 +82,7 @@ TEST_CASE("with the same global batch the 2x1 and 2x2 loss curves match 1x1") {
   REQUIRE(one.size() >= 8);
   for (auto [R, S] : {std::pair{2, 1}, {2, 2}}) {
     auto other = loss_curve(train(layout(R, S) + " --steps 40 --log-every 5").output);
-    REQUIRE(one.size() == other.size());
-    double worst = 0;
-    for (auto [step, loss] : one)
-      worst = std::max(worst, std::abs(loss - other.at(step)));
+    const double worst = largest_difference(one, other);
     MESSAGE(R << "x" << S << ": largest difference in loss from 1x1: " << worst);
     CHECK(worst < 0.02); // only float summation order differs
   }
@@ -109,11 +117,7 @@ TEST_CASE("bf16 mixed precision: the loss falls at 1x1 and 2x2; overflowed steps
   // Against fp32: the same curve within the rounding of bf16 weights and
   // gradients.
   auto fp32 = loss_curve(train("-n 1 --steps 40 --log-every 5").output);
-  auto bf = loss_curve(one.output);
-  REQUIRE(bf.size() == fp32.size());
-  double worst = 0;
-  for (auto [step, l] : fp32)
-    worst = std::max(worst, std::abs(l - bf.at(step)));
+  const double worst = largest_difference(fp32, loss_curve(one.output));
   MESSAGE("bf16 vs fp32: largest difference in loss " << worst);
   CHECK(worst < 0.1);
 
@@ -139,6 +143,40 @@ TEST_CASE("bf16 mixed precision: the loss falls at 1x1 and 2x2; overflowed steps
   auto ranks = rank_weights(r.output);
   CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
   CHECK(std::stod(field(r.output, "loss")) < 2.5);
+}
+
+TEST_CASE("full sharding: streamed weights and gradients train like whole ones") {
+  auto path = "/tmp/cmesh_full_" + std::to_string(getpid()) + ".toml";
+  {
+    std::ofstream(path) << "[train]\nsharding = \"full\"\n";
+  }
+  auto one = loss_curve(train("-n 1 --steps 40 --log-every 5").output);
+  REQUIRE(one.size() >= 8);
+  for (auto [R, S] : {std::pair{1, 2}, {2, 2}}) {
+    CAPTURE(R);
+    CAPTURE(S);
+    auto r = train(layout(R, S) + " --config " + path + " --steps 40 --log-every 5");
+    CHECK(r.output.find("weights and gradients streamed over the 2 ranks") != std::string::npos);
+    const double worst = largest_difference(one, loss_curve(r.output));
+    MESSAGE(R << "x" << S << " fully sharded: largest difference in loss from 1x1: " << worst);
+    CHECK(worst < 0.02); // only float summation order differs
+    auto ranks = rank_weights(r.output);
+    CHECK(ranks.size() == static_cast<size_t>(R * S));
+    CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
+  }
+  // bf16, with 3 micro-batches for 4 ranks: a rank without one still takes
+  // part in its group's gathers and reductions.
+  {
+    std::ofstream(path) << "[train]\nsharding = \"full\"\nprecision = \"bf16\"\n"
+                           "global_batch = 12\n";
+  }
+  auto r = train(layout(2, 2) + " --config " + path + " --steps 40 --log-every 5");
+  std::remove(path.c_str());
+  auto loss = std::stod(field(r.output, "loss"));
+  MESSAGE("bf16 2x2 fully sharded, 3 micro-batches: loss " << loss << " after 40 steps");
+  CHECK(loss < loss_threshold);
+  auto ranks = rank_weights(r.output);
+  CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
 }
 
 TEST_CASE("bad configs and layouts are clear errors") {

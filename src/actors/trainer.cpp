@@ -3,6 +3,7 @@
 #include "collectives/exact.hpp"
 #include "core/check.hpp"
 #include "core/env.hpp"
+#include "core/pages.hpp"
 #include "kernels/optim.hpp"
 #include "kernels/precision.hpp"
 
@@ -121,6 +122,140 @@ private:
   caf::error error_;
 };
 
+/// Full sharding: the model's weights and gradients stream through the
+/// replica group unit by unit. A unit is a contiguous range [a, b) of the
+/// flat layout; rank j holds its intersection with shard j. fetch
+/// all-gathers the pieces into a buffer of the unit's size (bf16: the
+/// master rounded, gathered as bf16); reduce reduce-scatters the unit's
+/// gradient (bf16 on the wire in bf16 runs) and adds this rank's piece to
+/// the shard's sum. The buffers are reused unit after unit: they grow to the
+/// largest unit and stay, so a step allocates nothing and touches no new
+/// page. The first failure latches: later calls skip their collectives and
+/// hand out zeros, and the step is voted down.
+class weight_stream final : public model::parameter_stream {
+public:
+  void bind(model::model& m, const shard_split& shards, size_t position, bool bf16) {
+    model_ = &m;
+    shards_ = &shards;
+    position_ = position;
+    bf16_ = bf16;
+  }
+  /// For one step: the group, this rank's fp32 master shard, the sum the
+  /// gradient pieces are added to, and the clock of collective time.
+  void reset(coll::communicator* group, std::span<const float> master, std::span<float> sum,
+             double* comm_s) {
+    group_ = group;
+    master_ = master;
+    sum_ = sum;
+    comm_s_ = comm_s;
+    error_ = {};
+  }
+  caf::error take_error() { return std::exchange(error_, caf::error{}); }
+
+  /// Elements [a, b) of the flat layout from the group's masters into
+  /// `out` (b - a floats): units, and at the end of a run the weights'
+  /// hash window by window.
+  caf::error gather(size_t a, size_t b, float* out) {
+    const size_t mine = pieces(a, b);
+    const float* in = mine ? master_.data() + (lo_ - shards_->offsets[position_]) : master_.data();
+    if (!bf16_)
+      return timed([&] { return group_->all_gather(in, out, counts_, coll::dtype::float32); });
+    piece16_.resize(mine);
+    unit16_.resize(b - a);
+    kernels::cpu::float_to_bf16(in, piece16_.data(), mine);
+    auto e = timed([&] {
+      return group_->all_gather(piece16_.data(), unit16_.data(), counts_, coll::dtype::bfloat16);
+    });
+    if (!e)
+      kernels::cpu::bf16_to_float(unit16_.data(), out, b - a);
+    return e;
+  }
+
+  const float* fetch(size_t first, size_t last) override {
+    auto [a, b] = range(first, last);
+    weights_.resize(b - a);
+    if (!error_)
+      error_ = gather(a, b, weights_.data());
+    if (error_)
+      std::fill(weights_.begin(), weights_.end(), 0.0f);
+    return weights_.data();
+  }
+  void release(size_t, size_t) override {}
+  float* gradient(size_t first, size_t last) override {
+    auto [a, b] = range(first, last);
+    grad_.assign(b - a, 0.0f);
+    return grad_.data();
+  }
+  void reduce(size_t first, size_t last) override {
+    if (error_)
+      return;
+    auto [a, b] = range(first, last);
+    const size_t mine = pieces(a, b);
+    piece_.resize(mine);
+    if (bf16_) {
+      unit16_.resize(b - a);
+      piece16_.resize(mine);
+      kernels::cpu::float_to_bf16(grad_.data(), unit16_.data(), b - a);
+      error_ = timed([&] {
+        return group_->reduce_scatter(unit16_.data(), piece16_.data(), counts_,
+                                      coll::dtype::bfloat16, coll::reduce_op::sum);
+      });
+      if (!error_)
+        kernels::cpu::bf16_to_float(piece16_.data(), piece_.data(), mine);
+    } else {
+      error_ = timed([&] {
+        return group_->reduce_scatter(grad_.data(), piece_.data(), counts_, coll::dtype::float32,
+                                      coll::reduce_op::sum);
+      });
+    }
+    if (error_)
+      return;
+    float* sum = sum_.data() + (lo_ - shards_->offsets[position_]);
+    for (size_t i = 0; i < mine; ++i)
+      sum[i] += piece_[i];
+  }
+
+private:
+  std::pair<size_t, size_t> range(size_t first, size_t last) const {
+    const auto& ts = model_->tensors();
+    CMESH_CHECK(first < last && last <= ts.size());
+    return {ts[first].offset, ts[last - 1].offset + ts[last - 1].size};
+  }
+  /// Each rank's piece of [a, b) into counts_; this rank's starts at lo_.
+  size_t pieces(size_t a, size_t b) {
+    counts_.resize(shards_->counts.size());
+    for (size_t j = 0; j < counts_.size(); ++j) {
+      const size_t s = shards_->offsets[j], e = s + shards_->counts[j];
+      const size_t lo = std::max(a, s), hi = std::min(b, e);
+      counts_[j] = hi > lo ? hi - lo : 0;
+      if (j == position_)
+        lo_ = lo;
+    }
+    return counts_[position_];
+  }
+  template <class F>
+  caf::error timed(F&& f) {
+    const double t0 = now_s();
+    auto e = f();
+    *comm_s_ += now_s() - t0;
+    return e;
+  }
+
+  model::model* model_ = nullptr;
+  const shard_split* shards_ = nullptr;
+  size_t position_ = 0;
+  bool bf16_ = false;
+  coll::communicator* group_ = nullptr;
+  std::span<const float> master_;
+  std::span<float> sum_;
+  double* comm_s_ = nullptr;
+  caf::error error_;
+  std::vector<size_t> counts_;
+  size_t lo_ = 0;
+  std::vector<float> weights_, grad_, piece_;
+  std::vector<uint16_t> piece16_, unit16_;
+};
+
 struct trainer::impl {
   trainer_options o;
   std::shared_ptr<const model::corpus> data;
@@ -138,6 +273,8 @@ struct trainer::impl {
   std::vector<uint16_t> shard16;
   group_exchange experts;              // expert parallelism (S > 1, not exact)
   bool expert_parallel = false;
+  bool full = false;                   // full sharding: weights and gradients streamed
+  weight_stream stream;
   std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
   std::deque<std::pair<uint64_t, std::vector<float>>> recent; // committed updates, oldest first
@@ -167,6 +304,7 @@ struct trainer::impl {
     adam_m.assign(shards.counts[position], 0.0f);
     adam_v.assign(shards.counts[position], 0.0f);
     bf16 = o.config.train.precision == "bf16";
+    full = o.config.train.sharding == "full" && per_group() > 1;
     scalars = {static_cast<float>(o.config.train.loss_scale), 0.0f};
   }
   kernels::cpu::loss_scaler scaler() const {
@@ -387,11 +525,23 @@ expected<train_result> trainer::run() {
   auto grads = net.gradients();
   auto my_params = I.shard_of(params); // the model's working weights of this shard
   // The fp32 master of the shard: the working weights themselves in fp32,
-  // a copy of its own in bf16 (the working weights are its rounding).
+  // a copy of its own in bf16 (the working weights are its rounding) and
+  // with full sharding (the working weights come and go).
   std::span<float> master = my_params;
-  if (I.bf16) {
+  if (I.bf16 || I.full) {
     I.master.assign(my_params.begin(), my_params.end());
     master = I.master;
+  }
+  if (I.full) {
+    // The model's flat buffers are not used from now on.
+    discard_pages(params.data(), params.size());
+    discard_pages(grads.data(), grads.size());
+    I.stream.bind(net, I.shards, I.position, I.bf16);
+    if (!net.set_parameter_stream(&I.stream))
+      return make_error(errc::invalid_argument,
+                        "train.sharding = \"full\": the model cannot stream its weights");
+    spdlog::info("trainer: weights and gradients streamed over the {} ranks of the replica group",
+                 S);
   }
   train_result result;
   const double t_start = now_s();
@@ -455,7 +605,9 @@ expected<train_result> trainer::run() {
     caf::error latched;
     // The full working weights from the group's shards (bf16: the master
     // rounded, and gathered as bf16).
-    if (I.bf16) {
+    if (I.full) {
+      // Gathered unit by unit inside the model (weight_stream).
+    } else if (I.bf16) {
       I.wire16.resize(params.size());
       auto* mine16 = I.wire16.data() + I.shards.offsets[I.position];
       kernels::cpu::float_to_bf16(master.data(), mine16, master.size());
@@ -501,14 +653,19 @@ expected<train_result> trainer::run() {
       I.shard_grad.resize(my_params.size());
       update = I.shard_grad;
     }
+    if (I.full) {
+      std::fill(update.begin(), update.end(), 0.0f);
+      I.stream.reset(I.group, master, update, &I.comm_s);
+    }
     // This rank's micro-batches, their gradients (of the loss times
     // `loss_scale`) added up. With the experts split over the group, every
     // rank runs as many micro-batches as the one with the most (the
     // experts' exchanges are collective): empty ones make up the difference.
     auto compute = [&](float loss_scale) {
       size_t runs = mine.size();
-      if (I.expert_parallel) {
-        I.experts.reset(I.group);
+      if (I.expert_parallel || I.full) {
+        if (I.expert_parallel)
+          I.experts.reset(I.group);
         for (size_t q = 0; q < S; ++q)
           runs = std::max(runs, model::micro_batches_of(micro_total, world / S,
                                                         comm.index() / S, S, q).size());
@@ -525,6 +682,9 @@ expected<train_result> trainer::run() {
       if (I.expert_parallel)
         if (auto e = I.experts.take_error(); e && !latched)
           latched = e;
+      if (I.full)
+        if (auto e = I.stream.take_error(); e && !latched)
+          latched = e;
       if (I.sup)
         I.sup->computing(false);
     };
@@ -533,6 +693,13 @@ expected<train_result> trainer::run() {
     // everyone in place (`sum` is `full`), else a reduce_scatter over the
     // group and an all_reduce over the shard's holders.
     auto reduce = [&](void* full, size_t count, void* sum, coll::dtype t) {
+      if (I.full) { // the group's sum is in `sum` already, in fp32
+        I.collective(latched, [&] {
+          return I.cross->all_reduce(sum, I.shards.counts[I.position], coll::dtype::float32,
+                                     coll::reduce_op::sum);
+        });
+        return;
+      }
       if (!I.group) {
         I.collective(latched, [&] {
           return comm.all_reduce(full, count, t, coll::reduce_op::sum);
@@ -571,15 +738,19 @@ expected<train_result> trainer::run() {
       // Gradients of the scaled loss, summed as bf16.
       const float scale = I.scalars[0];
       compute(scale);
-      I.wire16.resize(grads.size());
-      kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
-      uint16_t* sum16 = I.wire16.data(); // the group of one rank sums in place
-      if (I.group) {
-        I.shard16.resize(update.size());
-        sum16 = I.shard16.data();
+      if (I.full) {
+        reduce(nullptr, 0, update.data(), coll::dtype::float32);
+      } else {
+        I.wire16.resize(grads.size());
+        kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
+        uint16_t* sum16 = I.wire16.data(); // the group of one rank sums in place
+        if (I.group) {
+          I.shard16.resize(update.size());
+          sum16 = I.shard16.data();
+        }
+        reduce(I.wire16.data(), I.wire16.size(), sum16, coll::dtype::bfloat16);
+        kernels::cpu::bf16_to_float(sum16, update.data(), update.size());
       }
-      reduce(I.wire16.data(), I.wire16.size(), sum16, coll::dtype::bfloat16);
-      kernels::cpu::bf16_to_float(sum16, update.data(), update.size());
       kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
     } else {
       compute(1.0f);
@@ -665,17 +836,40 @@ expected<train_result> trainer::run() {
     if (I.o.on_step)
       I.o.on_step(rep);
   }
-  // The final full fp32 weights, from the group's masters.
+  result.steps = st.step;
+  result.seconds = now_s() - t_start;
+  result.tokens_per_s =
+    tokens_per_step * static_cast<double>(committed_here) / std::max(result.seconds, 1e-9);
+  // The hash of the final fp32 weights, from the group's masters.
+  if (I.full) {
+    // Window by window, never the whole buffer at once.
+    net.set_parameter_stream(nullptr);
+    weight_stream fp32;
+    fp32.bind(net, I.shards, I.position, false);
+    fp32.reset(I.group, master, {}, &I.comm_s);
+    XXH64_state_t* h = XXH64_createState();
+    XXH64_reset(h, 0);
+    constexpr size_t window = size_t{1} << 20;
+    std::vector<float> buf;
+    for (size_t a = 0; a < params.size(); a += window) {
+      const size_t b = std::min(params.size(), a + window);
+      buf.resize(b - a);
+      if (auto e = fp32.gather(a, b, buf.data())) {
+        XXH64_freeState(h);
+        return e;
+      }
+      XXH64_update(h, buf.data(), buf.size() * sizeof(float));
+    }
+    result.weights_xxh64 = XXH64_digest(h);
+    XXH64_freeState(h);
+    return result;
+  }
   if (I.bf16)
     std::copy(master.begin(), master.end(), my_params.begin());
   if (I.group)
     if (auto e = I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
                                      coll::dtype::float32))
       return e;
-  result.steps = st.step;
-  result.seconds = now_s() - t_start;
-  result.tokens_per_s =
-    tokens_per_step * static_cast<double>(committed_here) / std::max(result.seconds, 1e-9);
   result.weights_xxh64 = XXH64(params.data(), params.size() * sizeof(float), 0);
   return result;
 }

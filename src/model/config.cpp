@@ -42,6 +42,16 @@ std::map<std::string, std::map<std::string, setter>> schema() {
   auto double_key = [](auto field, double lo, double hi) -> setter {
     return [=](const toml::node& n, run_config& c) { return read_double(n, field(c), lo, hi); };
   };
+  // A string that must be one of two values.
+  auto choice_key = [](auto field, std::string a, std::string b) -> setter {
+    return [=](const toml::node& n, run_config& c) -> std::string {
+      auto v = n.value<std::string>();
+      if (!v || (*v != a && *v != b))
+        return "must be \"" + a + "\" or \"" + b + "\"";
+      field(c) = *v;
+      return {};
+    };
+  };
   auto& m = s["model"];
   m["d_model"] = size_key([](run_config& c) -> size_t& { return c.model.d_model; }, 1);
   m["context"] = size_key([](run_config& c) -> size_t& { return c.model.context; }, 1);
@@ -87,13 +97,10 @@ std::map<std::string, std::map<std::string, setter>> schema() {
     c.train.exact = *v;
     return {};
   };
-  t["precision"] = [](const toml::node& n, run_config& c) -> std::string {
-    auto v = n.value<std::string>();
-    if (!v || (*v != "fp32" && *v != "bf16"))
-      return "must be \"fp32\" or \"bf16\"";
-    c.train.precision = *v;
-    return {};
-  };
+  t["precision"] = choice_key([](run_config& c) -> std::string& { return c.train.precision; },
+                              "fp32", "bf16");
+  t["sharding"] = choice_key([](run_config& c) -> std::string& { return c.train.sharding; },
+                             "optimizer", "full");
   s["data"]["file"] = [](const toml::node& n, run_config& c) -> std::string {
     auto v = n.value<std::string>();
     if (!v)
@@ -170,6 +177,10 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
                + ") does not divide over " + std::to_string(ranks_per_group) + " ranks per group");
   if (t.exact && t.precision != "fp32")
     return bad("exact mode needs train.precision = \"fp32\"");
+  if (t.exact && t.sharding == "full")
+    return bad("exact mode needs train.sharding = \"optimizer\" (it turns each micro-batch's "
+               "whole gradient into fixed point; full sharding hands gradients back tensor by "
+               "tensor)");
   return {};
 }
 

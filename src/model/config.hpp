@@ -40,6 +40,11 @@ struct train_config {
   bool exact = false;        // fixed-point gradient sums: bit-identical whatever the layout
   std::string precision = "fp32"; // "fp32" or "bf16"
   double loss_scale = 65536; // bf16: the dynamic loss scale's starting value
+  // Within a replica group: "optimizer" shards the fp32 master and AdamW
+  // state (whole working weights and gradient on every rank); "full" also
+  // streams the weights and gradients tensor by tensor (gathered just
+  // before use, reduce-scattered and dropped right after: ZeRO-3 / FSDP).
+  std::string sharding = "optimizer";
 };
 
 struct data_config {

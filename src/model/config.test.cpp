@@ -25,6 +25,7 @@ capacity_factor = 2.0
 [train]
 steps = 10
 exact = true
+sharding = "optimizer"
 [data]
 file = "x.txt"
 )");
@@ -35,6 +36,10 @@ file = "x.txt"
   CHECK(c->train.steps == 10);
   CHECK(c->train.exact);
   CHECK(c->data.file == "x.txt");
+  auto full = parse_config("[train]\nsharding = \"full\"\nprecision = \"bf16\"\n");
+  REQUIRE(full);
+  CHECK(full->train.sharding == "full");
+  CHECK(full->train.precision == "bf16");
 }
 
 TEST_CASE("bad configs give clear errors") {
@@ -54,6 +59,9 @@ TEST_CASE("bad configs give clear errors") {
         != std::string::npos);
   CHECK(err("[train]\nprecision = \"fp8\"\n").find("precision") != std::string::npos);
   CHECK(err("[train]\nexact = true\nprecision = \"bf16\"\n").find("exact mode") != std::string::npos);
+  CHECK(err("[train]\nsharding = \"zero3\"\n").find("train.sharding must be") != std::string::npos);
+  CHECK(err("[train]\nexact = true\nsharding = \"full\"\n").find("train.sharding = \"optimizer\"")
+        != std::string::npos);
   CHECK(err("[model\n").find("config:") != std::string::npos);
 }
 

@@ -63,6 +63,31 @@ public:
   virtual bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) = 0;
 };
 
+/// Full sharding (ZeRO-3 / FSDP style): the runtime keeps only a shard of
+/// the weights and gradients on each rank, and the model borrows one unit
+/// of tensors at a time (tensor indices [first, last) of tensors(),
+/// contiguous in the flat layout): it fetches a unit's weights just before
+/// it uses them, and in the backward pass takes a zeroed gradient buffer
+/// for the unit and hands it back as soon as it is done with it. Buffers
+/// hold the unit's tensors contiguously, in layout order. Every rank of a
+/// replica group makes the same calls in the same order (they are
+/// collective): a rank with fewer micro-batches runs empty ones, and a rank
+/// fetches experts it does not compute. While a stream is set, the model
+/// uses neither parameters() nor gradients().
+class parameter_stream {
+public:
+  virtual ~parameter_stream() = default;
+  /// The unit's weights, valid until release().
+  virtual const float* fetch(size_t first, size_t last) = 0;
+  /// Done with the unit's weights (for now).
+  virtual void release(size_t first, size_t last) = 0;
+  /// A zeroed buffer for the fetched unit's gradient, valid until reduce().
+  virtual float* gradient(size_t first, size_t last) = 0;
+  /// The unit's gradient is final for this micro-batch: the stream takes
+  /// it. Once per unit and micro-batch, before release().
+  virtual void reduce(size_t first, size_t last) = 0;
+};
+
 class model {
 public:
   virtual ~model() = default;
@@ -85,6 +110,11 @@ public:
   /// Runs the experts over the ranks of `x` from now on (nullptr: every
   /// expert here). False when the model does not support it.
   virtual bool set_expert_exchange(expert_exchange* x) { return x == nullptr; }
+
+  /// Streams the weights and gradients through `s` from now on (nullptr:
+  /// both whole in parameters() and gradients()). False when the model
+  /// does not support it.
+  virtual bool set_parameter_stream(parameter_stream* s) { return s == nullptr; }
 
   /// Number of experts per MoE layer, and of MoE layers (0 for dense models).
   virtual size_t experts() const = 0;

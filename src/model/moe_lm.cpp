@@ -2,6 +2,7 @@
 #include "core/hash.hpp"
 
 #include "core/check.hpp"
+#include "core/pages.hpp"
 #include "kernels/activation.hpp"
 #include "kernels/embedding.hpp"
 #include "kernels/gemm.hpp"
@@ -29,13 +30,22 @@ struct expert_at {
   size_t w1, b1, w2, b2;
 };
 
+// A unit of tensors fetched, released and reduced together when the
+// weights are streamed: tensor indices [first, last).
+struct unit {
+  size_t first = 0, last = 0;
+};
+
 struct layer_at {
   size_t w1, b1, w2, b2, router;
   std::vector<expert_at> experts;
+  unit ffn, route;
+  std::vector<unit> expert_units;
 };
 
 struct layout {
   size_t embed = 0, mix_w = 0, mix_b = 0, out_w = 0, out_b = 0;
+  unit pre, out; // embedding and mixing; the output layer
   std::vector<layer_at> layers;
   std::vector<tensor_info> tensors;
   size_t total = 0;
@@ -72,16 +82,21 @@ layout make_layout(const moe_config& c) {
   l.embed = l.add("embed", {vocab, d});
   l.mix_w = l.add("mix.w", {c.context * d, d});
   l.mix_b = l.add("mix.b", {d});
+  l.pre = {0, l.tensors.size()};
   for (size_t i = 0; i < c.layers; ++i) {
     const std::string p = "layer" + std::to_string(i) + ".";
     const int li = static_cast<int>(i);
     layer_at at{};
+    at.ffn.first = l.tensors.size();
     at.w1 = l.add(p + "ffn.w1", {d, c.ffn}, li);
     at.b1 = l.add(p + "ffn.b1", {c.ffn}, li);
     at.w2 = l.add(p + "ffn.w2", {c.ffn, d}, li);
     at.b2 = l.add(p + "ffn.b2", {d}, li);
+    at.ffn.last = l.tensors.size();
     at.router = l.add(p + "moe.router", {d, c.experts}, li);
+    at.route = {at.ffn.last, l.tensors.size()};
     for (size_t e = 0; e < c.experts; ++e) {
+      const size_t first = l.tensors.size();
       const std::string q = p + "moe.expert" + std::to_string(e) + ".";
       const int ei = static_cast<int>(e);
       expert_at x{};
@@ -90,11 +105,14 @@ layout make_layout(const moe_config& c) {
       x.w2 = l.add(q + "w2", {c.expert_ffn, d}, li, ei);
       x.b2 = l.add(q + "b2", {d}, li, ei);
       at.experts.push_back(x);
+      at.expert_units.push_back({first, l.tensors.size()});
     }
     l.layers.push_back(std::move(at));
   }
+  const size_t out_first = l.tensors.size();
   l.out_w = l.add("out.w", {d, vocab});
   l.out_b = l.add("out.b", {vocab});
+  l.out = {out_first, l.tensors.size()};
   return l;
 }
 
@@ -186,6 +204,8 @@ public:
 
   const layout& at() const { return at_; }
   void set_exchange(expert_exchange* x) { ex_ = x; }
+  void set_stream(parameter_stream* s) { ps_ = s; }
+  bool streamed() const { return ps_ != nullptr; }
 
   /// Forward, and backward when `g` is not null (adding loss_scale * grads).
   step_stats run(const T* p, T* g, const batch& b, T loss_scale, std::vector<int32_t>* routing) {
@@ -199,11 +219,65 @@ public:
       record_routing(*routing);
     if (g)
       backward(g, loss_scale);
+    else
+      release(at_.out);
     return s;
   }
 
 private:
   size_t d() const { return c_.d_model; }
+
+  // Streamed weights (parameter_stream): one unit is live at a time; its
+  // weights (and in the backward pass its gradient) are the stream's
+  // buffers, which W() and G() point into. No-ops when the weights are
+  // whole: W() and G() point into the flat buffers.
+  void fetch(unit u) {
+    if (!ps_)
+      return;
+    CMESH_CHECK(live_w_ == nullptr); // one unit at a time
+    if constexpr (std::is_same_v<T, float>)
+      live_w_ = ps_->fetch(u.first, u.last);
+    live_ = u;
+    live_begin_ = at_.tensors[u.first].offset;
+    live_end_ = at_.tensors[u.last - 1].offset + at_.tensors[u.last - 1].size;
+  }
+  void release(unit u) {
+    if (!ps_)
+      return;
+    CMESH_CHECK(live_w_ != nullptr && live_.first == u.first);
+    ps_->release(u.first, u.last);
+    live_w_ = nullptr;
+  }
+  // The backward pass of a live unit: its gradient buffer.
+  void accumulate(unit u) {
+    if (!ps_)
+      return;
+    CMESH_CHECK(live_w_ != nullptr && live_.first == u.first);
+    if constexpr (std::is_same_v<T, float>)
+      live_g_ = ps_->gradient(u.first, u.last);
+  }
+  // The unit's gradient is final for this micro-batch.
+  void reduced(unit u) {
+    if (!ps_)
+      return;
+    ps_->reduce(u.first, u.last);
+    live_g_ = nullptr;
+    release(u);
+  }
+  // Weights and gradient of the tensor at flat offset `off`.
+  const T* W(size_t off) const {
+    if (!ps_)
+      return p_ + off;
+    CMESH_CHECK(live_w_ != nullptr && off >= live_begin_ && off < live_end_);
+    return live_w_ + (off - live_begin_);
+  }
+  T* G(T* g, size_t off) const {
+    if (!ps_)
+      return g + off;
+    CMESH_CHECK(live_g_ != nullptr && off >= live_begin_ && off < live_end_);
+    return live_g_ + (off - live_begin_);
+  }
+  bool mine(size_t e) const { return !ex_ || e / (c_.experts / ex_->ranks()) == ex_->rank(); }
 
   // Token ids, targets and the context window's embedding indices.
   void prepare(const batch& b) {
@@ -231,16 +305,19 @@ private:
     ctx_.resize(n * cw);
     mix_pre_.resize(n * dm);
     tmp_.resize(n * std::max({dm, c_.ffn, vocab}));
-    kc::gather_rows(p_ + at_.embed, tok_.data(), n, dm, x_.data());
-    kc::gather_rows(p_ + at_.embed, ctx_idx_.data(), n * c_.context, dm, ctx_.data());
-    linear(ctx_.data(), p_ + at_.mix_w, p_ + at_.mix_b, n, cw, dm, mix_pre_.data());
+    fetch(at_.pre);
+    kc::gather_rows(W(at_.embed), tok_.data(), n, dm, x_.data());
+    kc::gather_rows(W(at_.embed), ctx_idx_.data(), n * c_.context, dm, ctx_.data());
+    linear(ctx_.data(), W(at_.mix_w), W(at_.mix_b), n, cw, dm, mix_pre_.data());
     kc::gelu_forward(mix_pre_.data(), tmp_.data(), n * dm);
     add(x_.data(), tmp_.data(), n * dm);
+    release(at_.pre);
     double aux = 0;
     for (size_t l = 0; l < c_.layers; ++l)
       aux += layer_forward(l, s);
     logits_.resize(n * vocab);
-    linear(x_.data(), p_ + at_.out_w, p_ + at_.out_b, n, dm, vocab, logits_.data());
+    fetch(at_.out); // released after the backward pass (or by run)
+    linear(x_.data(), W(at_.out_w), W(at_.out_b), n, dm, vocab, logits_.data());
     s.loss = kc::softmax_cross_entropy_forward(logits_.data(), target_.data(), n, vocab);
     s.aux_loss = c_.aux_loss_weight * aux;
   }
@@ -254,9 +331,11 @@ private:
     m.x_in = x_;
     m.ffn_pre.resize(n * f);
     m.ffn_act.resize(n * f);
-    linear(x_.data(), p_ + at.w1, p_ + at.b1, n, dm, f, m.ffn_pre.data());
+    fetch(at.ffn);
+    linear(x_.data(), W(at.w1), W(at.b1), n, dm, f, m.ffn_pre.data());
     kc::gelu_forward(m.ffn_pre.data(), m.ffn_act.data(), n * f);
-    linear(m.ffn_act.data(), p_ + at.w2, p_ + at.b2, n, f, dm, tmp_.data());
+    linear(m.ffn_act.data(), W(at.w2), W(at.b2), n, f, dm, tmp_.data());
+    release(at.ffn);
     add(x_.data(), tmp_.data(), n * dm);
     m.x_mid = x_;
     route(l, s);
@@ -272,8 +351,10 @@ private:
     layer_cache<T>& m = caches_[l];
     const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k;
     m.probs.resize(n * e);
-    kc::gemm(false, false, n, e, dm, T(1), m.x_mid.data(), dm, p_ + at_.layers[l].router, e, T(0),
+    fetch(at_.layers[l].route);
+    kc::gemm(false, false, n, e, dm, T(1), m.x_mid.data(), dm, W(at_.layers[l].router), e, T(0),
              m.probs.data(), e);
+    release(at_.layers[l].route);
     kc::softmax_rows(m.probs.data(), m.probs.data(), n, e);
     m.chosen.resize(n * k);
     m.gates.resize(n * k);
@@ -310,9 +391,11 @@ private:
       const size_t cnt = static_cast<size_t>(m.counts[e]);
       T* pre = m.e_pre.data() + first * h;
       T* act = m.e_act.data() + first * h;
-      linear(m.xp.data() + first * dm, p_ + x.w1, p_ + x.b1, cnt, dm, h, pre);
+      fetch(at_.layers[l].expert_units[e]);
+      linear(m.xp.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
       kc::gelu_forward(pre, act, cnt * h);
-      linear(act, p_ + x.w2, p_ + x.b2, cnt, h, dm, m.e_out.data() + first * dm);
+      linear(act, W(x.w2), W(x.b2), cnt, h, dm, m.e_out.data() + first * dm);
+      release(at_.layers[l].expert_units[e]);
     }
   }
 
@@ -374,14 +457,21 @@ private:
     m.ee_pre.resize(m.erows * h);
     m.ee_act.resize(m.erows * h);
     m.ye.resize(m.erows * dm);
-    for (size_t i = 0; i < per; ++i) {
-      const expert_at& x = at_.layers[l].experts[me * per + i];
-      const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
-      T* pre = m.ee_pre.data() + first * h;
-      T* act = m.ee_act.data() + first * h;
-      linear(m.xe.data() + first * dm, p_ + x.w1, p_ + x.b1, cnt, dm, h, pre);
-      kc::gelu_forward(pre, act, cnt * h);
-      linear(act, p_ + x.w2, p_ + x.b2, cnt, h, dm, m.ye.data() + first * dm);
+    // Streamed weights: every rank fetches every expert, in order (the
+    // fetches are collective), and computes its own.
+    for (size_t e = 0; e < c_.experts; ++e) {
+      fetch(at_.layers[l].expert_units[e]);
+      if (mine(e)) {
+        const size_t i = e - me * per;
+        const expert_at& x = at_.layers[l].experts[e];
+        const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
+        T* pre = m.ee_pre.data() + first * h;
+        T* act = m.ee_act.data() + first * h;
+        linear(m.xe.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
+        kc::gelu_forward(pre, act, cnt * h);
+        linear(act, W(x.w2), W(x.b2), cnt, h, dm, m.ye.data() + first * dm);
+      }
+      release(at_.layers[l].expert_units[e]);
     }
     reorder(m, m.ye.data(), m.xr.data(), dm, true); // outputs, source-major
     m.e_out.resize(m.rows * dm);
@@ -398,15 +488,21 @@ private:
     reorder(m, m.xr.data(), m.ye.data(), dm, false); // d(outputs), expert-major
     dact_.resize(m.erows * h);
     dxe_.resize(m.erows * dm);
-    for (size_t i = 0; i < per; ++i) {
-      const expert_at& x = at_.layers[l].experts[me * per + i];
-      const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
-      T* da = dact_.data() + first * h;
-      linear_backward(m.ee_act.data() + first * h, m.ye.data() + first * dm, p_ + x.w2, cnt, h,
-                      dm, g + x.w2, g + x.b2, da, T(0));
-      kc::gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
-      linear_backward(m.xe.data() + first * dm, da, p_ + x.w1, cnt, dm, h, g + x.w1, g + x.b1,
-                      dxe_.data() + first * dm, T(0));
+    for (size_t e = 0; e < c_.experts; ++e) {
+      fetch(at_.layers[l].expert_units[e]);
+      accumulate(at_.layers[l].expert_units[e]);
+      if (mine(e)) {
+        const size_t i = e - me * per;
+        const expert_at& x = at_.layers[l].experts[e];
+        const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
+        T* da = dact_.data() + first * h;
+        linear_backward(m.ee_act.data() + first * h, m.ye.data() + first * dm, W(x.w2), cnt, h,
+                        dm, G(g, x.w2), G(g, x.b2), da, T(0));
+        kc::gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
+        linear_backward(m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1), G(g, x.b1),
+                        dxe_.data() + first * dm, T(0));
+      }
+      reduced(at_.layers[l].expert_units[e]);
     }
     reorder(m, dxe_.data(), m.xr.data(), dm, true);
     dxp_.resize(m.rows * dm);
@@ -419,17 +515,22 @@ private:
     kc::softmax_cross_entropy_backward(logits_.data(), target_.data(), n, vocab, loss_scale,
                                        dlogits_.data());
     dx_.resize(n * dm);
-    linear_backward(x_.data(), dlogits_.data(), p_ + at_.out_w, n, dm, vocab, g + at_.out_w,
-                    g + at_.out_b, dx_.data(), T(0));
+    accumulate(at_.out);
+    linear_backward(x_.data(), dlogits_.data(), W(at_.out_w), n, dm, vocab, G(g, at_.out_w),
+                    G(g, at_.out_b), dx_.data(), T(0));
+    reduced(at_.out);
     for (size_t l = c_.layers; l-- > 0;)
       layer_backward(l, g, loss_scale);
     // x = embed[tok] + gelu(mix(ctx)).
     kc::gelu_backward(mix_pre_.data(), dx_.data(), tmp_.data(), n * dm);
     dctx_.resize(n * cw);
-    linear_backward(ctx_.data(), tmp_.data(), p_ + at_.mix_w, n, cw, dm, g + at_.mix_w,
-                    g + at_.mix_b, dctx_.data(), T(0));
-    kc::scatter_add_rows(dx_.data(), tok_.data(), n, dm, g + at_.embed);
-    kc::scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, g + at_.embed);
+    fetch(at_.pre);
+    accumulate(at_.pre);
+    linear_backward(ctx_.data(), tmp_.data(), W(at_.mix_w), n, cw, dm, G(g, at_.mix_w),
+                    G(g, at_.mix_b), dctx_.data(), T(0));
+    kc::scatter_add_rows(dx_.data(), tok_.data(), n, dm, G(g, at_.embed));
+    kc::scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, G(g, at_.embed));
+    reduced(at_.pre);
   }
 
   // On entry dx_ is d(loss)/d(layer output); on exit d(loss)/d(layer input).
@@ -439,11 +540,14 @@ private:
     layer_cache<T>& m = caches_[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
     dact_.resize(n * f);
-    linear_backward(m.ffn_act.data(), dx_.data(), p_ + at.w2, n, f, dm, g + at.w2, g + at.b2,
+    fetch(at.ffn);
+    accumulate(at.ffn);
+    linear_backward(m.ffn_act.data(), dx_.data(), W(at.w2), n, f, dm, G(g, at.w2), G(g, at.b2),
                     dact_.data(), T(0));
     kc::gelu_backward(m.ffn_pre.data(), dact_.data(), dact_.data(), n * f);
-    linear_backward(m.x_in.data(), dact_.data(), p_ + at.w1, n, dm, f, g + at.w1, g + at.b1,
+    linear_backward(m.x_in.data(), dact_.data(), W(at.w1), n, dm, f, G(g, at.w1), G(g, at.b1),
                     dx_.data(), T(1));
+    reduced(at.ffn);
   }
 
   // x_out = x_mid + combine(experts(permute(x_mid)), gates(router(x_mid))):
@@ -470,11 +574,14 @@ private:
       const size_t first = static_cast<size_t>(m.offsets[i]);
       const size_t cnt = static_cast<size_t>(m.counts[i]);
       T* da = dact_.data() + first * h;
-      linear_backward(m.e_act.data() + first * h, de_out_.data() + first * dm, p_ + x.w2, cnt, h,
-                      dm, g + x.w2, g + x.b2, da, T(0));
+      fetch(at_.layers[l].expert_units[i]);
+      accumulate(at_.layers[l].expert_units[i]);
+      linear_backward(m.e_act.data() + first * h, de_out_.data() + first * dm, W(x.w2), cnt, h,
+                      dm, G(g, x.w2), G(g, x.b2), da, T(0));
       kc::gelu_backward(m.e_pre.data() + first * h, da, da, cnt * h);
-      linear_backward(m.xp.data() + first * dm, da, p_ + x.w1, cnt, dm, h, g + x.w1, g + x.b1,
+      linear_backward(m.xp.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1), G(g, x.b1),
                       dxp_.data() + first * dm, T(0));
+      reduced(at_.layers[l].expert_units[i]);
     }
     kc::permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
     router_backward(l, g, loss_scale);
@@ -491,9 +598,12 @@ private:
     kc::load_balancing_backward(m.chosen.data(), n, e, k, aux_weight, dprobs_.data());
     kc::softmax_rows_backward(m.probs.data(), dprobs_.data(), dprobs_.data(), n, e);
     const size_t router = at_.layers[l].router;
-    kc::gemm(true, false, dm, e, n, T(1), m.x_mid.data(), dm, dprobs_.data(), e, T(1), g + router,
+    fetch(at_.layers[l].route);
+    accumulate(at_.layers[l].route);
+    kc::gemm(true, false, dm, e, n, T(1), m.x_mid.data(), dm, dprobs_.data(), e, T(1), G(g, router),
              e);
-    kc::gemm(false, true, n, dm, e, T(1), dprobs_.data(), e, p_ + router, e, T(1), dx_.data(), dm);
+    kc::gemm(false, true, n, dm, e, T(1), dprobs_.data(), e, W(router), e, T(1), dx_.data(), dm);
+    reduced(at_.layers[l].route);
   }
 
   void record_routing(std::vector<int32_t>& out) const {
@@ -511,6 +621,11 @@ private:
   moe_config c_;
   layout at_;
   expert_exchange* ex_ = nullptr;
+  parameter_stream* ps_ = nullptr;
+  unit live_;
+  size_t live_begin_ = 0, live_end_ = 0;
+  const T* live_w_ = nullptr; // float only: the stream is float
+  T* live_g_ = nullptr;
   const T* p_ = nullptr;
   size_t n_ = 0;
   std::vector<int32_t> tok_, target_, ctx_idx_;
@@ -525,14 +640,18 @@ private:
 class moe_lm final : public model {
 public:
   explicit moe_lm(const moe_config& c)
-      : c_(c), net_(c), params_(net_.at().total), grads_(net_.at().total, 0.0f) {
-    moe_lm_init(c, params_);
+      : c_(c), net_(c), params_(net_.at().total), grads_(net_.at().total) {
+    moe_lm_init(c, params_.span());
   }
 
   const std::vector<tensor_info>& tensors() const override { return net_.at().tensors; }
-  std::span<float> parameters() override { return params_; }
-  std::span<float> gradients() override { return grads_; }
-  void zero_gradients() override { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+  std::span<float> parameters() override { return params_.span(); }
+  std::span<float> gradients() override { return grads_.span(); }
+  // Streamed: the gradients are the stream's, handed back unit by unit.
+  void zero_gradients() override {
+    if (!net_.streamed())
+      std::fill(grads_.begin(), grads_.end(), 0.0f);
+  }
 
   step_stats forward_backward(const batch& b, float loss_scale) override {
     return net_.run(params_.data(), grads_.data(), b, loss_scale, nullptr);
@@ -550,11 +669,17 @@ public:
     net_.set_exchange(x);
     return true;
   }
+  bool set_parameter_stream(parameter_stream* s) override {
+    net_.set_stream(s);
+    return true;
+  }
 
 private:
   moe_config c_;
   network<float> net_;
-  std::vector<float> params_, grads_;
+  // Untouched pages cost nothing: with streamed weights the runtime drops
+  // the initial weights' pages, and the gradient's are never touched.
+  page_array params_, grads_;
 };
 
 } // namespace

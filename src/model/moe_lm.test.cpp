@@ -456,3 +456,125 @@ TEST_CASE("moe_lm: experts split over two ranks: the group's gradient is the loc
       for (size_t i = 0; i < t.size; ++i)
         REQUIRE(g0[t.offset + i] == 0.0f);
 }
+
+namespace {
+
+// A stream over one rank: the weights live in `truth`; fetch copies a unit
+// into a buffer of its own, release poisons that buffer with NaN (a
+// weight used after its release spoils the loss), reduce adds the unit's
+// gradient buffer to `sum`. It checks the protocol: units are whole tensors
+// in order, one at a time, a gradient only for the fetched unit, and each
+// tensor reduced once per micro-batch.
+class checking_stream final : public parameter_stream {
+public:
+  checking_stream(model& m, std::vector<float> truth)
+      : m_(m), truth_(std::move(truth)), sum_(truth_.size(), 0.0f),
+        reduced_(m.tensors().size(), 0) {}
+
+  const float* fetch(size_t first, size_t last) override {
+    REQUIRE(first < last);
+    REQUIRE(last <= m_.tensors().size());
+    REQUIRE_FALSE(live_);
+    live_ = true;
+    unit_ = {first, last};
+    auto [a, b] = range(first, last);
+    w_.assign(truth_.begin() + a, truth_.begin() + b);
+    ++fetches;
+    return w_.data();
+  }
+  void release(size_t first, size_t last) override {
+    REQUIRE(live_);
+    REQUIRE(unit_ == std::pair{first, last});
+    REQUIRE(g_.empty()); // reduced before released
+    live_ = false;
+    std::fill(w_.begin(), w_.end(), std::nanf(""));
+  }
+  float* gradient(size_t first, size_t last) override {
+    REQUIRE(live_);
+    REQUIRE(unit_ == std::pair{first, last});
+    auto [a, b] = range(first, last);
+    g_.assign(b - a, 0.0f);
+    return g_.data();
+  }
+  void reduce(size_t first, size_t last) override {
+    REQUIRE(unit_ == std::pair{first, last});
+    REQUIRE_FALSE(g_.empty());
+    auto [a, b] = range(first, last);
+    for (size_t i = a; i < b; ++i)
+      sum_[i] += g_[i - a];
+    g_.clear();
+    for (size_t t = first; t < last; ++t)
+      ++reduced_[t];
+  }
+
+  // Every tensor reduced exactly `times` times in all, nothing live.
+  void check(int times) const {
+    CHECK_FALSE(live_);
+    for (size_t t = 0; t < reduced_.size(); ++t)
+      CHECK_MESSAGE(reduced_[t] == times, m_.tensors()[t].name);
+  }
+  const std::vector<float>& sum() const { return sum_; }
+  size_t fetches = 0;
+
+private:
+  std::pair<size_t, size_t> range(size_t first, size_t last) const {
+    const auto& ts = m_.tensors();
+    return {ts[first].offset, ts[last - 1].offset + ts[last - 1].size};
+  }
+
+  model& m_;
+  std::vector<float> truth_, sum_, w_, g_;
+  std::vector<int> reduced_;
+  bool live_ = false;
+  std::pair<size_t, size_t> unit_;
+};
+
+} // namespace
+
+TEST_CASE("moe_lm: streamed weights give the gradient of whole ones, each unit reduced once") {
+  const auto c = tiny_config(2);
+  std::mt19937 rng(5);
+  const auto text = repeated_text(4000);
+  const batch b1 = make_batch(text, 3, 12, rng), b2 = make_batch(text, 2, 12, rng);
+
+  auto whole = make_moe_lm(c);
+  auto streamed = make_moe_lm(c);
+  const std::vector<float> truth(whole->parameters().begin(), whole->parameters().end());
+  checking_stream s(*streamed, truth);
+  REQUIRE(streamed->set_parameter_stream(&s));
+
+  // One micro-batch: the same bits.
+  whole->zero_gradients();
+  streamed->zero_gradients();
+  const auto w1 = whole->forward_backward(b1, 2.0f);
+  const auto s1 = streamed->forward_backward(b1, 2.0f);
+  s.check(1);
+  CHECK(s1.loss == w1.loss);
+  CHECK(s1.aux_loss == w1.aux_loss);
+  auto g = whole->gradients();
+  CHECK(std::equal(g.begin(), g.end(), s.sum().begin()));
+  // The model's own gradient buffer is not used.
+  auto sg = streamed->gradients();
+  CHECK(std::all_of(sg.begin(), sg.end(), [](float x) { return x == 0.0f; }));
+  // Units: the embedding and mixing, per layer the dense FFN, the router
+  // and each expert, the output; forward fetches each once, backward all
+  // but the output (still held from the forward pass) again.
+  const size_t units = 2 + c.layers * (2 + c.experts);
+  CHECK(s.fetches == units + units - 1);
+
+  // A second micro-batch adds up (in another order than the whole buffer
+  // does: within rounding).
+  const auto w2 = whole->forward_backward(b2);
+  const auto s2 = streamed->forward_backward(b2);
+  s.check(2);
+  CHECK(s2.loss == w2.loss);
+  for (size_t i = 0; i < g.size(); ++i)
+    REQUIRE(s.sum()[i] == doctest::Approx(g[i]).epsilon(1e-5).scale(1e-6));
+
+  // Evaluation fetches and releases too.
+  const auto e = streamed->evaluate(b1);
+  CHECK(e.loss == whole->evaluate(b1).loss);
+  s.check(2);
+  // Back to whole weights: the model's buffers are used directly again.
+  REQUIRE(streamed->set_parameter_stream(nullptr));
+}

@@ -1,0 +1,57 @@
+// A flat array whose memory can be handed back to the operating system in
+// pieces while the array stays valid: fully sharded training keeps a whole
+// parameter (and gradient) buffer's address range, but only the tensors in
+// use are resident.
+//
+// The memory is an anonymous private mapping: untouched pages cost nothing
+// and read as zero; discard() returns the whole pages inside a range
+// (madvise MADV_DONTNEED) and zeroes the rest of the range, so afterwards
+// the range reads as zero and only its edges (at most two pages) stay
+// resident.
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+namespace cmesh {
+
+class page_array {
+public:
+  page_array() = default;
+  /// `n` floats, all zero, none resident yet. Aborts when the mapping fails.
+  explicit page_array(size_t n);
+  ~page_array();
+  page_array(page_array&& other) noexcept;
+  page_array& operator=(page_array&& other) noexcept;
+  page_array(const page_array&) = delete;
+  page_array& operator=(const page_array&) = delete;
+
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+  size_t size() const { return size_; }
+  std::span<float> span() { return {data_, size_}; }
+  float& operator[](size_t i) { return data_[i]; }
+  const float& operator[](size_t i) const { return data_[i]; }
+  float* begin() { return data_; }
+  float* end() { return data_ + size_; }
+
+  /// Elements [first, first + n) read as zero afterwards; their whole pages
+  /// go back to the operating system.
+  void discard(size_t first, size_t n);
+  void discard() { discard(0, size_); }
+
+private:
+  float* data_ = nullptr;
+  size_t size_ = 0;
+  size_t bytes_ = 0; // mapped
+};
+
+/// Elements [p, p + n) read as zero afterwards and the whole pages inside
+/// them go back to the operating system. For private anonymous memory only
+/// (a page_array, or any heap memory).
+void discard_pages(float* p, size_t n);
+
+/// This process's resident memory now, in bytes (0 where unknown).
+size_t resident_bytes();
+
+} // namespace cmesh
