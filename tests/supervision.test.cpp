@@ -175,25 +175,35 @@ TEST_CASE("2 groups x 2 ranks: SIGKILL one rank; the other group goes on, the gr
 TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one set of weights") {
   // Not exact mode: experts run on their owners (all_to_allv inside the
   // step), and a failure in the middle of an exchange votes the step down.
-  auto path = "/tmp/cmesh_recovery_ep_" + std::to_string(getpid()) + ".jsonl";
-  auto r = run_cmesh("launch -n 4 --replicas 2 --steps 100 --log-every 20 --restart-delay-ms 200 "
-                     "--chaos kill@10:1,kill@70:2? --events " + path,
-                     {}, 300s);
-  auto ev = read_events(path);
-  std::remove(path.c_str());
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  CHECK(r.output.find("experts split over the 2 ranks") != std::string::npos);
-  int kills = 0, grows = 0;
-  for (auto& e : ev) {
-    kills += e.name == "chaos" ? 1 : 0;
-    grows += e.name == "epoch" && e.field("joined").size() > 2 ? 1 : 0;
+  // With full sharding the weights and gradients also stream through the
+  // group inside the step: a kill lands in the middle of those too.
+  for (std::string sharding : {"optimizer", "full"}) {
+    CAPTURE(sharding);
+    auto base = "/tmp/cmesh_recovery_ep_" + std::to_string(getpid());
+    std::ofstream(base + ".toml") << "[train]\nsharding = \"" << sharding << "\"\n";
+    auto r = run_cmesh("launch -n 4 --replicas 2 --steps 100 --log-every 20 --restart-delay-ms 200 "
+                       "--chaos kill@10:1,kill@70:2? --config " + base + ".toml --events " + base
+                         + ".jsonl",
+                       {}, 300s);
+    auto ev = read_events(base + ".jsonl");
+    std::remove((base + ".jsonl").c_str());
+    std::remove((base + ".toml").c_str());
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.output.find("experts split over the 2 ranks") != std::string::npos);
+    if (sharding == "full")
+      CHECK(r.output.find("weights and gradients streamed over the 2 ranks") != std::string::npos);
+    int kills = 0, grows = 0;
+    for (auto& e : ev) {
+      kills += e.name == "chaos" ? 1 : 0;
+      grows += e.name == "epoch" && e.field("joined").size() > 2 ? 1 : 0;
+    }
+    CHECK(kills >= 1); // the second is skipped if group 0 is not back by then
+    CHECK(grows >= 2); // the first epoch, and the restarted group's return
+    auto ws = captures(r.output, "done \\(steps=100 .*weights=([0-9a-f]{16})\\)");
+    CHECK(!ws.empty());
+    CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
   }
-  CHECK(kills >= 1); // the second is skipped if group 0 is not back by then
-  CHECK(grows >= 2); // the first epoch, and the restarted group's return
-  auto ws = captures(r.output, "done \\(steps=100 .*weights=([0-9a-f]{16})\\)");
-  CHECK(!ws.empty());
-  CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
 }
 
 TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights bit-identical") {
