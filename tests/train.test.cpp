@@ -179,6 +179,48 @@ TEST_CASE("full sharding: streamed weights and gradients train like whole ones")
   CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
 }
 
+TEST_CASE("expert placement: balanced and replicated experts train like static blocks") {
+  // 8 experts over the 2 ranks of each group. The rows each rank computes
+  // are printed as "hosts" (max rank load / mean, over the step).
+  auto path = "/tmp/cmesh_placement_" + std::to_string(getpid()) + ".toml";
+  auto run = [&](const std::string& train_keys, const std::string& args) {
+    {
+      std::ofstream(path) << "[model]\nexperts = 8\n[train]\n" << train_keys;
+    }
+    return train(args + " --config " + path + " --steps 40 --log-every 5").output;
+  };
+  auto hosts = [](const std::string& out) {
+    std::vector<double> h;
+    for (auto& v : captures(out, "hosts ([0-9.]+)"))
+      h.push_back(std::stod(v));
+    return h;
+  };
+  const auto fixed = run("expert_placement = \"static\"\n", layout(1, 2));
+  const auto balanced = run("expert_placement = \"balanced\"\n", layout(1, 2));
+  const auto replicated = run("expert_replicas = 2\n", layout(2, 2));
+  std::remove(path.c_str());
+  auto hs = hosts(fixed), hb = hosts(balanced), hr = hosts(replicated);
+  REQUIRE(hs.size() >= 8);
+  REQUIRE(hb.size() == hs.size());
+  REQUIRE(hr.size() == hs.size());
+  double sum_s = 0, sum_b = 0;
+  for (size_t i = 0; i < hs.size(); ++i) {
+    sum_s += hs[i];
+    sum_b += hb[i];
+    CHECK(hb[i] <= 1.05);
+    CHECK(hr[i] <= 1.05);
+  }
+  MESSAGE("host imbalance, mean over the printed steps: static " << sum_s / hs.size()
+          << ", balanced " << sum_b / hb.size());
+  CHECK(sum_b <= sum_s);
+  // Where an expert runs changes sums' order only.
+  CHECK(largest_difference(loss_curve(fixed), loss_curve(balanced)) < 0.02);
+  CHECK(largest_difference(loss_curve(fixed), loss_curve(replicated)) < 0.02);
+  auto ranks = rank_weights(replicated);
+  CHECK(ranks.size() == 4);
+  CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
+}
+
 TEST_CASE("bad configs and layouts are clear errors") {
   auto path = "/tmp/cmesh_bad_config_" + std::to_string(getpid()) + ".toml";
   {

@@ -6,6 +6,7 @@
 #include "core/pages.hpp"
 #include "kernels/optim.hpp"
 #include "kernels/precision.hpp"
+#include "recovery/placement.hpp"
 
 #include <xxhash.h>
 
@@ -93,11 +94,51 @@ void request_hang() {
 /// failure latches (later exchanges return at once, zeroed).
 class group_exchange final : public model::expert_exchange {
 public:
+  /// `balanced`: each micro-batch's experts placed by the placement solver
+  /// from the group's routed rows (at most `replicas` extra copies of hot
+  /// experts); else the static blocks of expert_exchange::place.
+  void configure(bool balanced, size_t replicas) {
+    balanced_ = balanced;
+    replicas_ = replicas;
+  }
   void reset(coll::communicator* group) {
     group_ = group;
     error_ = {};
   }
   caf::error take_error() { return std::exchange(error_, caf::error{}); }
+  /// Max over mean of the rows each rank of the group computed since the
+  /// last call (1 when none).
+  double take_host_imbalance() {
+    auto v = recovery::imbalance(load_);
+    std::fill(load_.begin(), load_.end(), 0.0);
+    return v;
+  }
+
+  void place(size_t layer, const int64_t* rows, size_t experts,
+             std::vector<std::vector<uint32_t>>& hosts) override {
+    const size_t S = ranks();
+    std::vector<uint64_t> total(experts, 0);
+    for (size_t s = 0; s < S; ++s)
+      for (size_t e = 0; e < experts; ++e)
+        total[e] += static_cast<uint64_t>(std::max<int64_t>(0, rows[s * experts + e]));
+    bool placed = false;
+    if (balanced_) {
+      recovery::placement_options po;
+      po.ranks = static_cast<uint32_t>(S);
+      po.replication_budget = static_cast<uint32_t>(replicas_);
+      po.search_nodes = 2000; // a node count, not a time: the same answer on every rank
+      if (auto p = recovery::place_experts(total, po)) {
+        hosts = std::move(p->expert_ranks);
+        placed = true;
+      }
+    }
+    if (!placed)
+      expert_exchange::place(layer, rows, experts, hosts);
+    load_.resize(S, 0.0);
+    for (size_t e = 0; e < experts; ++e)
+      for (auto r : hosts[e])
+        load_[r] += static_cast<double>(total[e]) / static_cast<double>(hosts[e].size());
+  }
 
   size_t ranks() const override { return group_->size(); }
   size_t rank() const override { return group_->index(); }
@@ -120,6 +161,9 @@ public:
 private:
   coll::communicator* group_ = nullptr;
   caf::error error_;
+  bool balanced_ = true;
+  size_t replicas_ = 0;
+  std::vector<double> load_;
 };
 
 /// Full sharding: the model's weights and gradients stream through the
@@ -581,6 +625,7 @@ expected<train_result> trainer::run() {
   // gradient summed over the rows of several micro-batches in one product
   // is not the per-micro-batch contribution exact mode adds.
   if (I.group && !tc.exact) {
+    I.experts.configure(tc.expert_placement == "balanced", tc.expert_replicas);
     I.experts.reset(I.group);
     I.expert_parallel = net.set_expert_exchange(&I.experts);
     if (I.expert_parallel)
@@ -832,6 +877,8 @@ expected<train_result> trainer::run() {
     rep.first_member = comm.index() == 0;
     rep.expert_imbalance =
       imbalance(std::vector<float>(stats.begin() + 3, stats.end()), net.experts());
+    if (I.expert_parallel)
+      rep.host_imbalance = I.experts.take_host_imbalance();
     result.final_loss = rep.loss;
     if (I.o.on_step)
       I.o.on_step(rep);

@@ -43,10 +43,15 @@
 // summed as bf16, and a step whose gradient overflowed anywhere (agreed in
 // the commit vote) is skipped by every rank and backs the scale off.
 // Activations are computed in fp32 on the CPU.
-// Experts (S > 1, not exact mode): rank p of a group owns E/S of each
-// layer's experts and computes them over the rows every rank of the group
-// routes to them (all_to_allv over the group); their state is sharded like
-// the rest.
+// Experts (S > 1, not exact mode): for each micro-batch and layer the
+// group places the experts on its ranks from the rows every rank routed
+// (train.expert_placement: "balanced" runs the placement solver, with
+// train.expert_replicas extra copies of hot experts; "static" gives rank p
+// the p-th block of E/S), and the hosts compute their experts over the rows
+// every rank of the group sends them (all_to_allv over the group). The
+// weights come from the group's gather either way, so a placement can
+// change from one micro-batch to the next at no cost; their state is
+// sharded like the rest.
 #pragma once
 
 #include "collectives/communicator.hpp"
@@ -68,6 +73,7 @@ struct step_report {
   double step_ms = 0;
   double comm_ms = 0;           // waiting on collectives
   double expert_imbalance = 1;  // max expert load / mean, worst layer
+  double host_imbalance = 0;    // experts split over a group: max rank load / mean (0: not split)
   uint64_t dropped = 0;
   bool skipped = false;         // dynamic loss scaling skipped the update
   uint64_t epoch = 0;           // the epoch it committed in

@@ -50,9 +50,10 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
   if (r.step % every != 0 && r.step != total && r.step != 1)
     return;
   fmt::print("step {:>5}  loss {:.4f}  aux {:.4f}  tokens/s {:>8.0f}  step {:>6.1f} ms  "
-             "comm {:>5.1f} ms  imbalance {:.2f}  dropped {}\n",
+             "comm {:>5.1f} ms  imbalance {:.2f}  dropped {}{}\n",
              r.step, r.loss, r.aux_loss, r.tokens_per_s, r.step_ms, r.comm_ms,
-             r.expert_imbalance, r.dropped);
+             r.expert_imbalance, r.dropped,
+             r.host_imbalance > 0 ? fmt::format("  hosts {:.2f}", r.host_imbalance) : "");
   std::fflush(stdout);
 }
 

@@ -101,6 +101,10 @@ std::map<std::string, std::map<std::string, setter>> schema() {
                               "fp32", "bf16");
   t["sharding"] = choice_key([](run_config& c) -> std::string& { return c.train.sharding; },
                              "optimizer", "full");
+  t["expert_placement"] = choice_key(
+    [](run_config& c) -> std::string& { return c.train.expert_placement; }, "balanced", "static");
+  t["expert_replicas"] =
+    size_key([](run_config& c) -> size_t& { return c.train.expert_replicas; }, 0);
   s["data"]["file"] = [](const toml::node& n, run_config& c) -> std::string {
     auto v = n.value<std::string>();
     if (!v)

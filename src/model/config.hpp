@@ -45,6 +45,12 @@ struct train_config {
   // streams the weights and gradients tensor by tensor (gathered just
   // before use, reduce-scattered and dropped right after: ZeRO-3 / FSDP).
   std::string sharding = "optimizer";
+  // Experts split over a group's ranks (S > 1, not exact): "balanced"
+  // places them per micro-batch by load (the placement solver), with at
+  // most expert_replicas extra copies of hot experts; "static" gives each
+  // rank a fixed block of E/S.
+  std::string expert_placement = "balanced";
+  size_t expert_replicas = 0;
 };
 
 struct data_config {

@@ -40,6 +40,11 @@ file = "x.txt"
   REQUIRE(full);
   CHECK(full->train.sharding == "full");
   CHECK(full->train.precision == "bf16");
+  CHECK(full->train.expert_placement == "balanced"); // the default
+  auto placed = parse_config("[train]\nexpert_placement = \"static\"\nexpert_replicas = 3\n");
+  REQUIRE(placed);
+  CHECK(placed->train.expert_placement == "static");
+  CHECK(placed->train.expert_replicas == 3);
 }
 
 TEST_CASE("bad configs give clear errors") {
@@ -59,6 +64,9 @@ TEST_CASE("bad configs give clear errors") {
         != std::string::npos);
   CHECK(err("[train]\nprecision = \"fp8\"\n").find("precision") != std::string::npos);
   CHECK(err("[train]\nexact = true\nprecision = \"bf16\"\n").find("exact mode") != std::string::npos);
+  CHECK(err("[train]\nexpert_placement = \"random\"\n").find("train.expert_placement must be")
+        != std::string::npos);
+  CHECK(err("[train]\nexpert_replicas = -1\n").find("train.expert_replicas") != std::string::npos);
   CHECK(err("[train]\nsharding = \"zero3\"\n").find("train.sharding must be") != std::string::npos);
   CHECK(err("[train]\nexact = true\nsharding = \"full\"\n").find("train.sharding = \"optimizer\"")
         != std::string::npos);

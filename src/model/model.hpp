@@ -42,12 +42,15 @@ struct step_stats {
   std::vector<size_t> expert_load; // tokens routed to each expert, all layers
 };
 
-/// Expert parallelism: the S ranks of a replica group split each MoE
-/// layer's experts, rank j owning experts [j*E/S, (j+1)*E/S). A model that
-/// supports it sends the rows routed to each expert to the expert's owner
-/// and gets the outputs back (and the same for the gradients). Every rank of
-/// the group must make the same calls in the same order: a rank with fewer
-/// micro-batches takes part with empty ones.
+/// Expert parallelism: the S ranks of a replica group share the work of
+/// each MoE layer's experts. For every micro-batch and layer the group
+/// agrees where each expert runs (place(), a pure function of every rank's
+/// routed rows, so every rank computes the same answer); a model that
+/// supports it sends the rows routed to each expert to its hosts (split
+/// evenly over the hosts of a replicated expert) and gets the outputs back
+/// (and the same for the gradients). Every rank of the group must make the
+/// same calls in the same order: a rank with fewer micro-batches takes part
+/// with empty ones.
 class expert_exchange {
 public:
   virtual ~expert_exchange() = default;
@@ -59,6 +62,18 @@ public:
   /// is zeroed, the model goes on, and the caller votes the step down.
   virtual bool exchange(const float* in, const std::vector<size_t>& send_counts, float* out,
                         const std::vector<size_t>& recv_counts) = 0;
+  /// Where each of `experts` experts of MoE layer `layer` runs: hosts[e]
+  /// the ranks computing expert e, ascending, at least one. `rows[s *
+  /// experts + e]` is the number of rows rank s routes to expert e. The
+  /// default is static: expert e on rank e * ranks() / experts.
+  virtual void place(size_t layer, const int64_t* rows, size_t experts,
+                     std::vector<std::vector<uint32_t>>& hosts) {
+    (void)layer;
+    (void)rows;
+    hosts.assign(experts, {});
+    for (size_t e = 0; e < experts; ++e)
+      hosts[e] = {static_cast<uint32_t>(e * ranks() / experts)};
+  }
   /// All-to-all of `per_rank` int64 values to and from every rank.
   virtual bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) = 0;
 };

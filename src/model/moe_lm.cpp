@@ -192,7 +192,14 @@ struct layer_cache {
     size_t from = 0, to = 0, rows = 0; // source-major and expert-major row offsets
   };
   std::vector<block> blocks;
-  std::vector<size_t> mine_first, mine_rows; // per owned expert, expert-major
+  std::vector<size_t> mine_first, mine_rows; // per hosted expert, expert-major
+  std::vector<size_t> hosted;       // the experts this rank computes, ascending
+  std::vector<int> host_index;      // per expert: its index in `hosted`, or -1
+  struct piece {                    // rows of xp sent to one host, in send order
+    size_t row = 0, rows = 0;
+  };
+  std::vector<piece> pieces;
+  std::vector<T> xs;                // xp (or its gradient) packed by host
   std::vector<T> xr, xe, ee_pre, ee_act, ye;  // received rows, expert-major rows
   size_t erows = 0;
 };
@@ -277,7 +284,6 @@ private:
     CMESH_CHECK(live_g_ != nullptr && off >= live_begin_ && off < live_end_);
     return live_g_ + (off - live_begin_);
   }
-  bool mine(size_t e) const { return !ex_ || e / (c_.experts / ex_->ranks()) == ex_->rank(); }
 
   // Token ids, targets and the context window's embedding indices.
   void prepare(const batch& b) {
@@ -408,61 +414,111 @@ private:
     }
   }
 
-  // Expert parallel: this rank's rows go to their experts' owners, which
-  // run their experts over the rows of every rank and send the outputs back.
+  // Rows of one source for one expert with `hosts` replicas: the i-th
+  // host's share [first, first + count) of the source's `rows`.
+  static std::pair<size_t, size_t> share(int64_t rows, size_t hosts, size_t i) {
+    const auto r = static_cast<size_t>(std::max<int64_t>(0, rows));
+    const size_t first = r * i / hosts, last = r * (i + 1) / hosts;
+    return {first, last - first};
+  }
+
+  // Packs rows of `in` (expert-major, as xp) into m.xs in send order, or
+  // (`back`) unpacks m.xs into `out`.
+  static void pack(layer_cache<T>& m, const T* in, T* out, size_t width, bool back) {
+    size_t at = 0;
+    for (auto& p : m.pieces) {
+      if (back)
+        std::copy(m.xs.data() + at * width, m.xs.data() + (at + p.rows) * width,
+                  out + p.row * width);
+      else
+        std::copy(in + p.row * width, in + (p.row + p.rows) * width, m.xs.data() + at * width);
+      at += p.rows;
+    }
+  }
+
+  // Expert parallel: the group agrees where each expert runs for this
+  // micro-batch (expert_exchange::place, from every rank's counts), this
+  // rank's rows go to their experts' hosts (split evenly over the replicas
+  // of a replicated expert), the hosts run their experts over the rows of
+  // every rank and send the outputs back.
   void experts_forward_parallel(size_t l) {
     layer_cache<T>& m = caches_[l];
     const size_t dm = d(), h = c_.expert_ffn, S = ex_->ranks(), me = ex_->rank();
-    const size_t per = c_.experts / S;
-    // Rows per (owner, expert), then the rows themselves.
-    std::vector<int64_t> out_counts(c_.experts), in_counts(c_.experts);
-    for (size_t e = 0; e < c_.experts; ++e)
-      out_counts[e] = m.counts[e];
-    ex_->exchange_counts(out_counts.data(), in_counts.data(), per);
+    const size_t E = c_.experts;
+    // Every rank's rows per expert: all[s * E + e].
+    std::vector<int64_t> out_counts(S * E), all(S * E);
+    for (size_t j = 0; j < S; ++j)
+      for (size_t e = 0; e < E; ++e)
+        out_counts[j * E + e] = m.counts[e];
+    ex_->exchange_counts(out_counts.data(), all.data(), E);
+    std::vector<std::vector<uint32_t>> hosts;
+    ex_->place(l, all.data(), E, hosts);
+    CMESH_CHECK_EQ(hosts.size(), E);
+    auto host_slot = [&](size_t e, size_t j) -> long {
+      auto it = std::find(hosts[e].begin(), hosts[e].end(), static_cast<uint32_t>(j));
+      return it == hosts[e].end() ? -1 : static_cast<long>(it - hosts[e].begin());
+    };
+    // What goes where: by host, then by expert.
     m.send.assign(S, 0);
+    m.pieces.clear();
+    for (size_t j = 0; j < S; ++j)
+      for (size_t e = 0; e < E; ++e)
+        if (long i = host_slot(e, j); i >= 0) {
+          auto [first, rows] = share(m.counts[e], hosts[e].size(), static_cast<size_t>(i));
+          m.pieces.push_back({static_cast<size_t>(m.offsets[e]) + first, rows});
+          m.send[j] += rows * dm;
+        }
+    // What arrives: from each source, its rows of my experts, by expert.
+    m.hosted.clear();
+    m.host_index.assign(E, -1);
+    for (size_t e = 0; e < E; ++e)
+      if (host_slot(e, me) >= 0) {
+        m.host_index[e] = static_cast<int>(m.hosted.size());
+        m.hosted.push_back(e);
+      }
+    const size_t mine = m.hosted.size();
     m.recv.assign(S, 0);
     m.blocks.clear();
-    m.mine_first.assign(per, 0);
-    m.mine_rows.assign(per, 0);
+    m.mine_first.assign(mine, 0);
+    m.mine_rows.assign(mine, 0);
     size_t from = 0;
-    for (size_t j = 0; j < S; ++j) {
-      m.send[j] = static_cast<size_t>(m.offsets[(j + 1) * per] - m.offsets[j * per]) * dm;
-      for (size_t i = 0; i < per; ++i) {
-        auto rows = static_cast<size_t>(std::max<int64_t>(0, in_counts[j * per + i]));
+    for (size_t s = 0; s < S; ++s)
+      for (size_t i = 0; i < mine; ++i) {
+        const size_t e = m.hosted[i];
+        const size_t rows = share(all[s * E + e], hosts[e].size(),
+                                  static_cast<size_t>(host_slot(e, me))).second;
         m.blocks.push_back({from, 0, rows});
         m.mine_rows[i] += rows;
+        m.recv[s] += rows * dm;
         from += rows;
       }
-    }
     m.erows = from;
-    for (size_t i = 1; i < per; ++i)
+    for (size_t i = 1; i < mine; ++i)
       m.mine_first[i] = m.mine_first[i - 1] + m.mine_rows[i - 1];
     {
       std::vector<size_t> at = m.mine_first;
-      for (size_t j = 0; j < S; ++j) {
-        size_t rows = 0;
-        for (size_t i = 0; i < per; ++i) {
-          auto& b = m.blocks[j * per + i];
+      for (size_t s = 0; s < S; ++s)
+        for (size_t i = 0; i < mine; ++i) {
+          auto& b = m.blocks[s * mine + i];
           b.to = at[i];
           at[i] += b.rows;
-          rows += b.rows;
         }
-        m.recv[j] = rows * dm;
-      }
     }
+    m.xs.resize(m.rows * dm);
+    pack(m, m.xp.data(), nullptr, dm, false);
     m.xr.resize(m.erows * dm);
-    ex_->exchange(m.xp.data(), m.send, m.xr.data(), m.recv);
+    ex_->exchange(m.xs.data(), m.send, m.xr.data(), m.recv);
     m.xe.resize(m.erows * dm);
     reorder(m, m.xr.data(), m.xe.data(), dm, false);
     m.ee_pre.resize(m.erows * h);
     m.ee_act.resize(m.erows * h);
     m.ye.resize(m.erows * dm);
     // Streamed weights: every rank fetches every expert, in order (the
-    // fetches are collective), and computes its own.
-    for (size_t e = 0; e < c_.experts; ++e) {
+    // fetches are collective), and computes those it hosts.
+    for (size_t e = 0; e < E; ++e) {
       fetch(at_.layers[l].expert_units[e]);
-      if (mine(e)) {
-        const size_t i = e - me * per;
+      if (m.host_index[e] >= 0) {
+        const auto i = static_cast<size_t>(m.host_index[e]);
         const expert_at& x = at_.layers[l].experts[e];
         const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
         T* pre = m.ee_pre.data() + first * h;
@@ -474,39 +530,43 @@ private:
       release(at_.layers[l].expert_units[e]);
     }
     reorder(m, m.ye.data(), m.xr.data(), dm, true); // outputs, source-major
+    ex_->exchange(m.xr.data(), m.recv, m.xs.data(), m.send);
     m.e_out.resize(m.rows * dm);
-    ex_->exchange(m.xr.data(), m.recv, m.e_out.data(), m.send);
+    pack(m, nullptr, m.e_out.data(), dm, true);
   }
 
   // The backward of experts_forward_parallel: de_out_ (this rank's permuted
-  // rows) to the owners, their experts' gradients there, dxp_ back.
+  // rows) to the hosts, their experts' gradients there, dxp_ back. A
+  // replicated expert's weight gradient is split over its hosts: the
+  // group's gradient reduction adds the parts.
   void experts_backward_parallel(size_t l, T* g) {
     layer_cache<T>& m = caches_[l];
-    const size_t dm = d(), h = c_.expert_ffn, S = ex_->ranks(), me = ex_->rank();
-    const size_t per = c_.experts / S;
-    ex_->exchange(de_out_.data(), m.send, m.xr.data(), m.recv);
+    const size_t dm = d(), h = c_.expert_ffn;
+    pack(m, de_out_.data(), nullptr, dm, false);
+    ex_->exchange(m.xs.data(), m.send, m.xr.data(), m.recv);
     reorder(m, m.xr.data(), m.ye.data(), dm, false); // d(outputs), expert-major
     dact_.resize(m.erows * h);
     dxe_.resize(m.erows * dm);
     for (size_t e = 0; e < c_.experts; ++e) {
       fetch(at_.layers[l].expert_units[e]);
       accumulate(at_.layers[l].expert_units[e]);
-      if (mine(e)) {
-        const size_t i = e - me * per;
+      if (m.host_index[e] >= 0) {
+        const auto i = static_cast<size_t>(m.host_index[e]);
         const expert_at& x = at_.layers[l].experts[e];
         const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
         T* da = dact_.data() + first * h;
         linear_backward(m.ee_act.data() + first * h, m.ye.data() + first * dm, W(x.w2), cnt, h,
                         dm, G(g, x.w2), G(g, x.b2), da, T(0));
         kc::gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
-        linear_backward(m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1), G(g, x.b1),
-                        dxe_.data() + first * dm, T(0));
+        linear_backward(m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1),
+                        G(g, x.b1), dxe_.data() + first * dm, T(0));
       }
       reduced(at_.layers[l].expert_units[e]);
     }
     reorder(m, dxe_.data(), m.xr.data(), dm, true);
+    ex_->exchange(m.xr.data(), m.recv, m.xs.data(), m.send);
     dxp_.resize(m.rows * dm);
-    ex_->exchange(m.xr.data(), m.recv, dxp_.data(), m.send);
+    pack(m, nullptr, dxp_.data(), dm, true);
   }
 
   void backward(T* g, T loss_scale) {
@@ -664,7 +724,7 @@ public:
   size_t moe_layers() const override { return c_.layers; }
 
   bool set_expert_exchange(expert_exchange* x) override {
-    if (x && (x->ranks() == 0 || c_.experts % x->ranks() != 0 || x->rank() >= x->ranks()))
+    if (x && (x->ranks() == 0 || x->rank() >= x->ranks()))
       return false;
     net_.set_exchange(x);
     return true;

@@ -12,6 +12,7 @@
 #include <thread>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -355,10 +356,20 @@ private:
   std::vector<std::vector<size_t>> sends_;
 };
 
+using hosts_t = std::vector<std::vector<uint32_t>>;
+/// A fixed placement for every layer and micro-batch (empty: the default).
+using placement_fn = std::function<hosts_t(size_t experts)>;
+
 class thread_exchange final : public expert_exchange {
 public:
-  thread_exchange(thread_exchange_hub& hub, size_t ranks, size_t me)
-      : hub_(hub), ranks_(ranks), me_(me) {}
+  thread_exchange(thread_exchange_hub& hub, size_t ranks, size_t me, placement_fn place = {})
+      : hub_(hub), ranks_(ranks), me_(me), place_(std::move(place)) {}
+  void place(size_t layer, const int64_t* rows, size_t experts, hosts_t& hosts) override {
+    if (place_)
+      hosts = place_(experts);
+    else
+      expert_exchange::place(layer, rows, experts, hosts);
+  }
   size_t ranks() const override { return ranks_; }
   size_t rank() const override { return me_; }
   bool exchange(const float* in, const std::vector<size_t>& send, float* out,
@@ -383,7 +394,76 @@ private:
   }
   thread_exchange_hub& hub_;
   size_t ranks_, me_;
+  placement_fn place_;
 };
+
+/// Micro-batches dealt to `ranks` models in threads whose experts are split
+/// by `place`: the group's summed gradient must be that of one local model
+/// over all the micro-batches, and a rank holds no gradient of an expert it
+/// does not host. Each rank runs as many micro-batches as the busiest
+/// (empty ones), as the trainer does.
+void check_split_gradient(size_t ranks, placement_fn place, const std::vector<batch>& batches) {
+  auto c = tiny_config(2);
+  auto reference = make_moe_lm(c);
+  std::vector<double> ref_loss;
+  for (auto& b : batches)
+    ref_loss.push_back(reference->forward_backward(b).loss);
+  std::vector<float> want(reference->gradients().begin(), reference->gradients().end());
+
+  thread_exchange_hub hub(ranks);
+  std::vector<std::unique_ptr<model>> models;
+  std::vector<std::unique_ptr<thread_exchange>> xs;
+  for (size_t r = 0; r < ranks; ++r) {
+    models.push_back(make_moe_lm(c));
+    xs.push_back(std::make_unique<thread_exchange>(hub, ranks, r, place));
+    REQUIRE(models[r]->set_expert_exchange(xs[r].get()));
+  }
+  const size_t rounds = (batches.size() + ranks - 1) / ranks;
+  std::vector<double> loss(batches.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      batch empty;
+      empty.seq_len = batches[0].seq_len;
+      for (size_t k = 0; k < rounds; ++k) {
+        const size_t i = k * ranks + r;
+        if (i < batches.size())
+          loss[i] = models[r]->forward_backward(batches[i]).loss;
+        else
+          models[r]->forward_backward(empty);
+      }
+    });
+  for (auto& t : threads)
+    t.join();
+  for (size_t i = 0; i < batches.size(); ++i)
+    CHECK(loss[i] == doctest::Approx(ref_loss[i]).epsilon(1e-6));
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    double sum = 0;
+    for (auto& m : models)
+      sum += m->gradients()[i];
+    worst = std::max(worst, std::abs(sum - want[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+  }
+  MESSAGE(ranks << " ranks: largest gradient difference " << worst << " (largest gradient "
+                << scale << ")");
+  CHECK(worst <= 1e-5 * scale);
+  const auto hosts = place ? place(c.experts) : [&] {
+    hosts_t h;
+    xs[0]->expert_exchange::place(0, nullptr, c.experts, h);
+    return h;
+  }();
+  for (size_t r = 0; r < ranks; ++r)
+    for (auto& t : models[r]->tensors()) {
+      if (t.expert < 0)
+        continue;
+      const auto& hs = hosts[static_cast<size_t>(t.expert)];
+      if (std::find(hs.begin(), hs.end(), r) != hs.end())
+        continue;
+      for (size_t i = 0; i < t.size; ++i)
+        REQUIRE(models[r]->gradients()[t.offset + i] == 0.0f);
+    }
+}
 
 } // namespace
 
@@ -403,58 +483,35 @@ TEST_CASE("moe_lm: experts split over one rank compute exactly what the local ex
   CHECK(std::memcmp(g1.data(), g2.data(), g1.size() * sizeof(float)) == 0);
 }
 
-TEST_CASE("moe_lm: experts split over two ranks: the group's gradient is the local one's") {
-  // Two ranks, each with its own micro-batch (one of them empty in the
-  // second round); the sum of their gradients must match two local runs.
-  auto c = tiny_config(2);
+TEST_CASE("moe_lm: experts split over ranks: the group's gradient is the local one's") {
   std::mt19937 rng(9);
   const auto text = repeated_text(4096);
-  const batch a = make_batch(text, 3, 32, rng), bb = make_batch(text, 2, 32, rng);
-  batch empty;
-  empty.seq_len = 32;
-  auto reference = make_moe_lm(c);
-  auto ra = reference->forward_backward(a);
-  auto rb = reference->forward_backward(bb);
-  std::vector<float> want(reference->gradients().begin(), reference->gradients().end());
-
-  thread_exchange_hub hub(2);
-  std::vector<std::unique_ptr<model>> ranks;
-  std::vector<std::unique_ptr<thread_exchange>> xs;
-  for (size_t r = 0; r < 2; ++r) {
-    ranks.push_back(make_moe_lm(c));
-    xs.push_back(std::make_unique<thread_exchange>(hub, 2, r));
-    REQUIRE(ranks[r]->set_expert_exchange(xs[r].get()));
+  // Uneven micro-batches: the last round leaves ranks without one.
+  std::vector<batch> batches;
+  for (size_t sequences : {3, 2, 2, 4, 1})
+    batches.push_back(make_batch(text, sequences, 32, rng));
+  SUBCASE("two ranks, the static placement (experts 0-1 on rank 0, 2-3 on rank 1)") {
+    check_split_gradient(2, {}, batches);
   }
-  step_stats sa, sb;
-  std::thread t0([&] {
-    sa = ranks[0]->forward_backward(a);
-    ranks[0]->forward_backward(empty); // takes part in rank 1's second micro-batch
-  });
-  std::thread t1([&] {
-    sb = ranks[1]->forward_backward(bb);
-    ranks[1]->forward_backward(bb);
-  });
-  t0.join();
-  t1.join();
-  rb = reference->forward_backward(bb); // the reference's third micro-batch
-  want.assign(reference->gradients().begin(), reference->gradients().end());
-  CHECK(sa.loss == doctest::Approx(ra.loss).epsilon(1e-6));
-  CHECK(sb.loss == doctest::Approx(rb.loss).epsilon(1e-6));
-  // Rank 0 owns experts 0-1, rank 1 experts 2-3: each holds its experts'
-  // gradients over both ranks' rows; dense gradients are per rank.
-  auto g0 = ranks[0]->gradients(), g1 = ranks[1]->gradients();
-  double worst = 0, scale = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    worst = std::max(worst, std::abs(static_cast<double>(g0[i]) + g1[i] - want[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+  SUBCASE("two ranks, expert 0 on both, rank 0 hosting only one more") {
+    check_split_gradient(2, [](size_t) { return hosts_t{{0, 1}, {1}, {1}, {0}}; }, batches);
   }
-  MESSAGE("largest gradient difference " << worst << " (largest gradient " << scale << ")");
-  CHECK(worst <= 1e-5 * scale);
-  // Experts a rank does not own get no gradient there.
-  for (auto& t : ranks[0]->tensors())
-    if (t.expert >= 2)
-      for (size_t i = 0; i < t.size; ++i)
-        REQUIRE(g0[t.offset + i] == 0.0f);
+  SUBCASE("three ranks for four experts, every expert on two ranks") {
+    check_split_gradient(
+      3,
+      [](size_t experts) {
+        hosts_t h(experts);
+        for (uint32_t e = 0; e < experts; ++e) {
+          h[e] = {e % 3, (e + 1) % 3};
+          std::sort(h[e].begin(), h[e].end());
+        }
+        return h;
+      },
+      batches);
+  }
+  SUBCASE("two ranks, every expert on rank 1") {
+    check_split_gradient(2, [](size_t experts) { return hosts_t(experts, {1}); }, batches);
+  }
 }
 
 namespace {
