@@ -81,7 +81,7 @@ if step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
     step build 330 cmake --build "$BUILD" -j"$JOBS"
   else
     step build 270 cmake --build "$BUILD" -j"$JOBS" --target \
-      test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl
+      test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl test_model cmesh
   fi
   build_rc=$?
 
@@ -91,12 +91,18 @@ if step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
       --output-on-failure -V
     # Several processes sharing the GPU.
     step mp_nccl 300 ctest --test-dir "$BUILD" -R '^mp_nccl$' --output-on-failure -V
+    # The model on the GPU against the CPU model, then a short training run
+    # with --device cuda beside the same run on the CPU.
+    step model_gpu 60 "$BUILD/src/test_model" -tc='*GPU*,*device code path*'
+    step train_cuda 90 "$BUILD/bin/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20
+    step train_cpu 90 "$BUILD/bin/cmesh" launch -n 2 --steps 60 --log-every 20
   fi
   cp -f "$BUILD/Testing/Temporary/LastTest.log" "$OUT/ctest-LastTest.log" 2>/dev/null || true
 fi
 
 # A GPU machine must not skip: that would mean the device was not seen.
-if grep -h "skipped: no CUDA device" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log >/dev/null 2>&1; then
+if grep -h "skipped: no CUDA device\|skipped: invalid_argument" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log \
+   "$OUT"/model_gpu.log >/dev/null 2>&1; then
   log "FAIL: tests skipped for lack of a CUDA device:"
   grep -h -m3 "skipped: no CUDA device" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log \
     | tee -a "$OUT/summary.txt"
@@ -109,8 +115,10 @@ fi
     "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null
   grep -hE "test cases:|assertions:" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null
   echo "---- measurements"
-  grep -hE "MESSAGE: (accelerators|aborted after|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed)" \
-    "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null | sed 's/^.*MESSAGE: //'
+  grep -hE "MESSAGE: (accelerators|aborted after|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed|GPU against)" \
+    "$OUT"/unit_tests.log "$OUT"/mp_nccl.log "$OUT"/model_gpu.log 2>/dev/null | sed 's/^.*MESSAGE: //'
+  echo "---- training, --device cuda then cpu (2 ranks)"
+  grep -hE "^step|summary" "$OUT"/train_cuda.log "$OUT"/train_cpu.log 2>/dev/null
   echo "---- failures"
   grep -hE "ERROR:|FATAL|fatal|FAIL" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null | head -40
 } >>"$OUT/summary.txt"

@@ -221,6 +221,31 @@ TEST_CASE("expert placement: balanced and replicated experts train like static b
   CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
 }
 
+TEST_CASE("--device cuda trains on GPUs, or says at once why it cannot") {
+  // Two ranks (one GPU each, or both on one); the optimizer and the
+  // collectives stay on the host.
+  auto r = run_cmesh("launch -n 2 --device cuda --steps 40 --log-every 10", {}, 600s);
+  if (r.exit_code != 0) {
+    INFO(r.output);
+    MESSAGE("skipped the GPU run: " << r.output.substr(0, r.output.find('\n')));
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find("--device cuda: ") != std::string::npos);
+    CHECK((r.output.find("no CUDA device") != std::string::npos
+           || r.output.find("built without CUDA") != std::string::npos));
+    CHECK(r.took < 30s); // before any worker joined
+    return;
+  }
+  INFO(r.output);
+  auto gpu = loss_curve(r.output);
+  auto cpu = loss_curve(train("-n 2 --steps 40 --log-every 10").output);
+  const double worst = largest_difference(cpu, gpu);
+  MESSAGE("--device cuda against the CPU: largest difference in loss " << worst << ", "
+          << field(r.output, "tokens/s") << " tokens/s");
+  CHECK(worst < 0.05); // cuBLAS and the GPU's exp/log round differently
+  auto ranks = rank_weights(r.output);
+  CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
+}
+
 TEST_CASE("bad configs and layouts are clear errors") {
   auto path = "/tmp/cmesh_bad_config_" + std::to_string(getpid()) + ".toml";
   {

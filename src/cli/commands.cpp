@@ -231,6 +231,8 @@ std::vector<std::string> worker_args(const job_options& job) {
     a.push_back("--exact");
   if (t.replicas != 0)
     a.insert(a.end(), {"--replicas", std::to_string(t.replicas)});
+  if (!t.device.empty())
+    a.insert(a.end(), {"--device", t.device});
   a.insert(a.end(), {"--step-timeout-ms", std::to_string(job.supervise.step_timeout_ms)});
   return a;
 }

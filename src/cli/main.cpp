@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
                   "exact mode: fixed-point gradient sums, bit-identical across layouts");
     cmd->add_option("--replicas", job.train.replicas, "replica groups (default: one per rank)")
       ->check(CLI::PositiveNumber);
+    cmd->add_option("--device", job.train.device,
+                    "where each rank computes: cpu, or cuda (one GPU per rank; overrides the "
+                    "config)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
     cmd->add_option("--step-timeout-ms", job.supervise.step_timeout_ms,
                     "step watchdog: a rank computing one step longer than this is hung and "
                     "ends itself (0: off)")

@@ -4,6 +4,7 @@
 #include "actors/trainer.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/device.hpp"
 #include "model/moe_lm.hpp"
 
 #include "core/env.hpp"
@@ -33,6 +34,17 @@ expected<model::run_config> resolve_config(const train_flags& f, size_t world_si
     cfg->train.log_every = *f.log_every;
   if (f.exact)
     cfg->train.exact = true;
+  if (!f.device.empty())
+    cfg->train.device = f.device;
+  if (cfg->train.device == "cuda") {
+    // Said at once, not after the mesh has formed.
+    const auto acc = kernels::query_accelerators();
+    if (!acc.cuda_compiled || acc.devices.empty())
+      return make_error(errc::invalid_argument,
+                        "--device cuda: " + std::string(acc.cuda_compiled ? "no CUDA device"
+                                                                          : "built without CUDA")
+                          + " (" + kernels::describe(acc) + ")");
+  }
   size_t replicas = replica_groups(f, world_size);
   if (world_size % replicas != 0)
     return make_error(errc::invalid_argument,
@@ -136,7 +148,14 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   auto fut = done->get_future();
   auto* sup = &agent;
   spawn_blocking(sys, [done, opts, data = *data, sup, rank](caf::blocking_actor*) {
-    actors::trainer t(opts, model::make_moe_lm(opts.config.model), data, *sup, rank);
+    const auto where = opts.config.train.device == "cuda" ? model::compute_device::cuda
+                                                          : model::compute_device::cpu;
+    auto net = model::make_moe_lm_on(opts.config.model, where, rank);
+    if (!net) {
+      done->set_value(net.error());
+      return;
+    }
+    actors::trainer t(opts, std::move(*net), data, *sup, rank);
     done->set_value(t.run());
   });
   // While it runs, the job may end (the coordinator's shutdown: the others

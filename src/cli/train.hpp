@@ -18,6 +18,7 @@ struct train_flags {
   std::optional<size_t> log_every;   // overrides [train] log_every
   bool exact = false;                // forces [train] exact = true
   size_t replicas = 0;               // 0: one group per rank
+  std::string device;                // overrides [train] device ("cpu" or "cuda")
 };
 
 /// Reads the config and applies the flags. Errors: invalid_argument.

@@ -103,6 +103,8 @@ std::map<std::string, std::map<std::string, setter>> schema() {
                              "optimizer", "full");
   t["expert_placement"] = choice_key(
     [](run_config& c) -> std::string& { return c.train.expert_placement; }, "balanced", "static");
+  t["device"] =
+    choice_key([](run_config& c) -> std::string& { return c.train.device; }, "cpu", "cuda");
   t["expert_replicas"] =
     size_key([](run_config& c) -> size_t& { return c.train.expert_replicas; }, 0);
   s["data"]["file"] = [](const toml::node& n, run_config& c) -> std::string {
@@ -181,6 +183,8 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
                + ") does not divide over " + std::to_string(ranks_per_group) + " ranks per group");
   if (t.exact && t.precision != "fp32")
     return bad("exact mode needs train.precision = \"fp32\"");
+  if (t.device == "cuda" && t.sharding == "full")
+    return bad("train.sharding = \"full\" is not supported with device \"cuda\" yet");
   if (t.exact && t.sharding == "full")
     return bad("exact mode needs train.sharding = \"optimizer\" (it turns each micro-batch's "
                "whole gradient into fixed point; full sharding hands gradients back tensor by "

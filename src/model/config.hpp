@@ -51,6 +51,9 @@ struct train_config {
   // rank a fixed block of E/S.
   std::string expert_placement = "balanced";
   size_t expert_replicas = 0;
+  // Where each rank computes its forward/backward: "cpu", or "cuda" (a GPU
+  // per rank; the optimizer and the collectives stay on the host).
+  std::string device = "cpu";
 };
 
 struct data_config {

@@ -67,6 +67,9 @@ TEST_CASE("bad configs give clear errors") {
   CHECK(err("[train]\nexpert_placement = \"random\"\n").find("train.expert_placement must be")
         != std::string::npos);
   CHECK(err("[train]\nexpert_replicas = -1\n").find("train.expert_replicas") != std::string::npos);
+  CHECK(err("[train]\ndevice = \"tpu\"\n").find("train.device must be") != std::string::npos);
+  CHECK(err("[train]\ndevice = \"cuda\"\nsharding = \"full\"\n").find("not supported")
+        != std::string::npos);
   CHECK(err("[train]\nsharding = \"zero3\"\n").find("train.sharding must be") != std::string::npos);
   CHECK(err("[train]\nexact = true\nsharding = \"full\"\n").find("train.sharding = \"optimizer\"")
         != std::string::npos);

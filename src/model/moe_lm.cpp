@@ -3,6 +3,11 @@
 
 #include "core/check.hpp"
 #include "core/pages.hpp"
+#include "kernels/device.hpp"
+#ifdef CMESH_HAVE_CUDA
+#include "kernels/cuda/ops.hpp"
+#include "kernels/cuda_check.hpp"
+#endif
 #include "kernels/activation.hpp"
 #include "kernels/embedding.hpp"
 #include "kernels/gemm.hpp"
@@ -10,6 +15,8 @@
 #include "kernels/moe.hpp"
 
 #include <algorithm>
+#include <memory>
+#include <cstring>
 #include <cmath>
 #include <random>
 #include <string>
@@ -161,30 +168,93 @@ void fill_uniform(float* out, size_t n, double std, uint64_t seed) {
 // ---------------------------------------------------------------------------
 // The network, in float (training) or double (gradient checks).
 
-// y[rows, out] = x[rows, in] W[in, out] + b.
+// Where the network's kernels run: the CPU here (host_ops), or a GPU
+// (cuda_ops, below, in builds with CUDA). The network's code is the same
+// for both: it calls its kernels through ops_, keeps its activations in
+// ops_'s buffers (std::vector here; device memory there: resizing keeps no
+// contents, and assign() only zeroes), and reads only row counts and
+// offsets on the host, through download().
+#define CMESH_CPU_KERNEL(name)                                 \
+  template <class... A>                                        \
+  auto name(A&&... a) {                                        \
+    return kc::name(std::forward<A>(a)...);                    \
+  }
+
 template <class T>
-void linear(const T* x, const T* w, const T* b, size_t rows, size_t in, size_t out, T* y) {
-  kc::gemm(false, false, rows, out, in, T(1), x, in, w, out, T(0), y, out);
-  kc::add_row_bias(y, b, rows, out);
+struct host_ops {
+  static constexpr bool host = true;
+  template <class U>
+  using buffer = std::vector<U>;
+
+  CMESH_CPU_KERNEL(gemm)
+  CMESH_CPU_KERNEL(add_row_bias)
+  CMESH_CPU_KERNEL(add_column_sums)
+  CMESH_CPU_KERNEL(gelu_forward)
+  CMESH_CPU_KERNEL(gelu_backward)
+  CMESH_CPU_KERNEL(gather_rows)
+  CMESH_CPU_KERNEL(scatter_add_rows)
+  CMESH_CPU_KERNEL(softmax_cross_entropy_forward)
+  CMESH_CPU_KERNEL(softmax_cross_entropy_backward)
+  CMESH_CPU_KERNEL(softmax_rows)
+  CMESH_CPU_KERNEL(softmax_rows_backward)
+  CMESH_CPU_KERNEL(top_k_gating)
+  CMESH_CPU_KERNEL(top_k_gating_backward)
+  CMESH_CPU_KERNEL(assign_capacity)
+  CMESH_CPU_KERNEL(build_permutation)
+  CMESH_CPU_KERNEL(permute_tokens)
+  CMESH_CPU_KERNEL(permute_tokens_backward)
+  CMESH_CPU_KERNEL(unpermute_tokens)
+  CMESH_CPU_KERNEL(unpermute_tokens_backward)
+  CMESH_CPU_KERNEL(load_balancing_loss)
+  CMESH_CPU_KERNEL(load_balancing_backward)
+
+  /// y[i] += x[i].
+  static void add(T* y, const T* x, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      y[i] += x[i];
+  }
+  /// n host values into a buffer (resized to n).
+  template <class U>
+  static void upload(buffer<U>& out, const U* from, size_t n) {
+    out.assign(from, from + n);
+  }
+  /// The first n values of a buffer to the host.
+  template <class U>
+  static void download(U* out, const buffer<U>& from, size_t n) {
+    std::copy_n(from.data(), n, out);
+  }
+};
+
+#undef CMESH_CPU_KERNEL
+
+// y[rows, out] = x[rows, in] W[in, out] + b.
+template <class T, class Ops>
+void linear(Ops& ops, const T* x, const T* w, const T* b, size_t rows, size_t in, size_t out,
+            T* y) {
+  ops.gemm(false, false, rows, out, in, T(1), x, in, w, out, T(0), y, out);
+  ops.add_row_bias(y, b, rows, out);
 }
 
 // Backward of linear: dW += x^T dy, db += column sums of dy, and
 // dx = dy W^T (dx_beta 0) or dx += dy W^T (dx_beta 1).
-template <class T>
-void linear_backward(const T* x, const T* dy, const T* w, size_t rows, size_t in, size_t out,
-                     T* dw, T* db, T* dx, T dx_beta) {
-  kc::gemm(true, false, in, out, rows, T(1), x, in, dy, out, T(1), dw, out);
-  kc::add_column_sums(db, dy, rows, out);
-  kc::gemm(false, true, rows, in, out, T(1), dy, out, w, out, dx_beta, dx, in);
+template <class T, class Ops>
+void linear_backward(Ops& ops, const T* x, const T* dy, const T* w, size_t rows, size_t in,
+                     size_t out, T* dw, T* db, T* dx, T dx_beta) {
+  ops.gemm(true, false, in, out, rows, T(1), x, in, dy, out, T(1), dw, out);
+  ops.add_column_sums(db, dy, rows, out);
+  ops.gemm(false, true, rows, in, out, T(1), dy, out, w, out, dx_beta, dx, in);
 }
 
 // What a layer's backward pass needs from its forward pass.
-template <class T>
+template <class T, class Ops>
 struct layer_cache {
-  std::vector<T> x_in, ffn_pre, ffn_act, x_mid;
-  std::vector<T> probs, gates;
-  std::vector<int32_t> chosen, slots, counts, offsets, row_of, token_of;
-  std::vector<T> xp, e_pre, e_act, e_out; // permuted rows, per-expert blocks
+  template <class U>
+  using buf = typename Ops::template buffer<U>;
+  buf<T> x_in, ffn_pre, ffn_act, x_mid;
+  buf<T> probs, gates;
+  buf<int32_t> chosen, slots, counts, offsets, row_of, token_of;
+  std::vector<int32_t> host_counts, host_offsets; // counts and offsets, on the host
+  buf<T> xp, e_pre, e_act, e_out; // permuted rows, per-expert blocks
   size_t rows = 0;
   // Expert parallelism: what this rank's experts received.
   std::vector<size_t> send, recv;   // floats to / from each rank
@@ -204,10 +274,14 @@ struct layer_cache {
   size_t erows = 0;
 };
 
-template <class T>
+template <class T, class Ops = host_ops<T>>
 class network {
 public:
-  explicit network(const moe_config& c) : c_(c), at_(make_layout(c)), caches_(c.layers) {}
+  template <class U>
+  using buf = typename Ops::template buffer<U>;
+
+  explicit network(const moe_config& c, Ops ops = {})
+      : c_(c), at_(make_layout(c)), ops_(std::move(ops)), caches_(c.layers) {}
 
   const layout& at() const { return at_; }
   void set_exchange(expert_exchange* x) { ex_ = x; }
@@ -222,8 +296,9 @@ public:
     s.tokens = n_;
     s.expert_load.assign(c_.layers * c_.experts, 0);
     forward(s);
-    if (routing)
-      record_routing(*routing);
+    if constexpr (Ops::host)
+      if (routing)
+        record_routing(*routing);
     if (g)
       backward(g, loss_scale);
     else
@@ -242,7 +317,7 @@ private:
     if (!ps_)
       return;
     CMESH_CHECK(live_w_ == nullptr); // one unit at a time
-    if constexpr (std::is_same_v<T, float>)
+    if constexpr (Ops::host && std::is_same_v<T, float>)
       live_w_ = ps_->fetch(u.first, u.last);
     live_ = u;
     live_begin_ = at_.tensors[u.first].offset;
@@ -260,7 +335,7 @@ private:
     if (!ps_)
       return;
     CMESH_CHECK(live_w_ != nullptr && live_.first == u.first);
-    if constexpr (std::is_same_v<T, float>)
+    if constexpr (Ops::host && std::is_same_v<T, float>)
       live_g_ = ps_->gradient(u.first, u.last);
   }
   // The unit's gradient is final for this micro-batch.
@@ -290,19 +365,22 @@ private:
     CMESH_CHECK_EQ(b.tokens.size(), b.sequences * (b.seq_len + 1));
     n_ = b.sequences * b.seq_len;
     const size_t ctx = c_.context;
-    tok_.resize(n_);
-    target_.resize(n_);
-    ctx_idx_.resize(n_ * ctx);
+    host_tok_.resize(n_);
+    host_target_.resize(n_);
+    host_ctx_.resize(n_ * ctx);
     for (size_t s = 0; s < b.sequences; ++s) {
       const uint8_t* seq = b.tokens.data() + s * (b.seq_len + 1);
       for (size_t t = 0; t < b.seq_len; ++t) {
         const size_t n = s * b.seq_len + t;
-        tok_[n] = seq[t];
-        target_[n] = seq[t + 1];
+        host_tok_[n] = seq[t];
+        host_target_[n] = seq[t + 1];
         for (size_t j = 0; j < ctx; ++j)
-          ctx_idx_[n * ctx + j] = t >= j ? static_cast<int32_t>(seq[t - j]) : -1;
+          host_ctx_[n * ctx + j] = t >= j ? static_cast<int32_t>(seq[t - j]) : -1;
       }
     }
+  ops_.upload(tok_, host_tok_.data(), host_tok_.size());
+    ops_.upload(target_, host_target_.data(), host_target_.size());
+    ops_.upload(ctx_idx_, host_ctx_.data(), host_ctx_.size());
   }
 
   void forward(step_stats& s) {
@@ -312,19 +390,19 @@ private:
     mix_pre_.resize(n * dm);
     tmp_.resize(n * std::max({dm, c_.ffn, vocab}));
     fetch(at_.pre);
-    kc::gather_rows(W(at_.embed), tok_.data(), n, dm, x_.data());
-    kc::gather_rows(W(at_.embed), ctx_idx_.data(), n * c_.context, dm, ctx_.data());
-    linear(ctx_.data(), W(at_.mix_w), W(at_.mix_b), n, cw, dm, mix_pre_.data());
-    kc::gelu_forward(mix_pre_.data(), tmp_.data(), n * dm);
-    add(x_.data(), tmp_.data(), n * dm);
+    ops_.gather_rows(W(at_.embed), tok_.data(), n, dm, x_.data());
+    ops_.gather_rows(W(at_.embed), ctx_idx_.data(), n * c_.context, dm, ctx_.data());
+    linear(ops_, ctx_.data(), W(at_.mix_w), W(at_.mix_b), n, cw, dm, mix_pre_.data());
+    ops_.gelu_forward(mix_pre_.data(), tmp_.data(), n * dm);
+    ops_.add(x_.data(), tmp_.data(), n * dm);
     release(at_.pre);
     double aux = 0;
     for (size_t l = 0; l < c_.layers; ++l)
       aux += layer_forward(l, s);
     logits_.resize(n * vocab);
     fetch(at_.out); // released after the backward pass (or by run)
-    linear(x_.data(), W(at_.out_w), W(at_.out_b), n, dm, vocab, logits_.data());
-    s.loss = kc::softmax_cross_entropy_forward(logits_.data(), target_.data(), n, vocab);
+    linear(ops_, x_.data(), W(at_.out_w), W(at_.out_b), n, dm, vocab, logits_.data());
+    s.loss = ops_.softmax_cross_entropy_forward(logits_.data(), target_.data(), n, vocab);
     s.aux_loss = c_.aux_loss_weight * aux;
   }
 
@@ -332,81 +410,85 @@ private:
   // unweighted aux loss.
   double layer_forward(size_t l, step_stats& s) {
     const layer_at& at = at_.layers[l];
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
     m.x_in = x_;
     m.ffn_pre.resize(n * f);
     m.ffn_act.resize(n * f);
     fetch(at.ffn);
-    linear(x_.data(), W(at.w1), W(at.b1), n, dm, f, m.ffn_pre.data());
-    kc::gelu_forward(m.ffn_pre.data(), m.ffn_act.data(), n * f);
-    linear(m.ffn_act.data(), W(at.w2), W(at.b2), n, f, dm, tmp_.data());
+    linear(ops_, x_.data(), W(at.w1), W(at.b1), n, dm, f, m.ffn_pre.data());
+    ops_.gelu_forward(m.ffn_pre.data(), m.ffn_act.data(), n * f);
+    linear(ops_, m.ffn_act.data(), W(at.w2), W(at.b2), n, f, dm, tmp_.data());
     release(at.ffn);
-    add(x_.data(), tmp_.data(), n * dm);
+    ops_.add(x_.data(), tmp_.data(), n * dm);
     m.x_mid = x_;
     route(l, s);
     experts_forward(l);
     // The combine adds onto x_ (== x_mid): the MoE residual.
-    kc::unpermute_tokens(m.e_out.data(), m.row_of.data(), m.gates.data(), n, c_.top_k, dm,
+    ops_.unpermute_tokens(m.e_out.data(), m.row_of.data(), m.gates.data(), n, c_.top_k, dm,
                          x_.data());
-    return kc::load_balancing_loss(m.probs.data(), m.chosen.data(), n, c_.experts, c_.top_k);
+    return ops_.load_balancing_loss(m.probs.data(), m.chosen.data(), n, c_.experts, c_.top_k);
   }
 
   // Router probabilities, top-k, capacity and the permuted input rows.
   void route(size_t l, step_stats& s) {
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k;
     m.probs.resize(n * e);
     fetch(at_.layers[l].route);
-    kc::gemm(false, false, n, e, dm, T(1), m.x_mid.data(), dm, W(at_.layers[l].router), e, T(0),
+    ops_.gemm(false, false, n, e, dm, T(1), m.x_mid.data(), dm, W(at_.layers[l].router), e, T(0),
              m.probs.data(), e);
     release(at_.layers[l].route);
-    kc::softmax_rows(m.probs.data(), m.probs.data(), n, e);
+    ops_.softmax_rows(m.probs.data(), m.probs.data(), n, e);
     m.chosen.resize(n * k);
     m.gates.resize(n * k);
-    kc::top_k_gating(m.probs.data(), n, e, k, m.chosen.data(), m.gates.data());
+    ops_.top_k_gating(m.probs.data(), n, e, k, m.chosen.data(), m.gates.data());
     m.slots.resize(n * k);
     m.counts.resize(e);
     const size_t capacity = kc::expert_capacity(c_.capacity_factor, n, e, k);
-    s.dropped += kc::assign_capacity(m.chosen.data(), n, e, k, capacity, m.slots.data(),
+    s.dropped += ops_.assign_capacity(m.chosen.data(), n, e, k, capacity, m.slots.data(),
                                      m.counts.data());
     m.offsets.resize(e + 1);
     m.row_of.resize(n * k);
     m.token_of.resize(n * k);
-    m.rows = kc::build_permutation(m.chosen.data(), m.slots.data(), m.counts.data(), n, e, k,
+    m.rows = ops_.build_permutation(m.chosen.data(), m.slots.data(), m.counts.data(), n, e, k,
                                    m.offsets.data(), m.row_of.data(), m.token_of.data());
+    m.host_counts.resize(e);
+    m.host_offsets.resize(e + 1);
+    ops_.download(m.host_counts.data(), m.counts, e);
+    ops_.download(m.host_offsets.data(), m.offsets, e + 1);
     for (size_t i = 0; i < e; ++i)
-      s.expert_load[l * e + i] = static_cast<size_t>(m.counts[i]);
+      s.expert_load[l * e + i] = static_cast<size_t>(m.host_counts[i]);
     m.xp.resize(m.rows * dm);
-    kc::permute_tokens(m.x_mid.data(), m.token_of.data(), m.rows, dm, m.xp.data());
+    ops_.permute_tokens(m.x_mid.data(), m.token_of.data(), m.rows, dm, m.xp.data());
   }
 
   // Each expert's FFN over its contiguous block of permuted rows.
   void experts_forward(size_t l) {
-    if constexpr (std::is_same_v<T, float>)
+    if constexpr (Ops::host && std::is_same_v<T, float>)
       if (ex_)
         return experts_forward_parallel(l);
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t dm = d(), h = c_.expert_ffn;
     m.e_pre.resize(m.rows * h);
     m.e_act.resize(m.rows * h);
     m.e_out.resize(m.rows * dm);
     for (size_t e = 0; e < c_.experts; ++e) {
       const expert_at& x = at_.layers[l].experts[e];
-      const size_t first = static_cast<size_t>(m.offsets[e]);
-      const size_t cnt = static_cast<size_t>(m.counts[e]);
+      const size_t first = static_cast<size_t>(m.host_offsets[e]);
+      const size_t cnt = static_cast<size_t>(m.host_counts[e]);
       T* pre = m.e_pre.data() + first * h;
       T* act = m.e_act.data() + first * h;
       fetch(at_.layers[l].expert_units[e]);
-      linear(m.xp.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
-      kc::gelu_forward(pre, act, cnt * h);
-      linear(act, W(x.w2), W(x.b2), cnt, h, dm, m.e_out.data() + first * dm);
+      linear(ops_, m.xp.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
+      ops_.gelu_forward(pre, act, cnt * h);
+      linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, m.e_out.data() + first * dm);
       release(at_.layers[l].expert_units[e]);
     }
   }
 
   // Rows of source-major blocks to expert-major (or back, `back`).
-  static void reorder(const layer_cache<T>& m, const T* in, T* out, size_t width, bool back) {
+  static void reorder(const layer_cache<T, Ops>& m, const T* in, T* out, size_t width, bool back) {
     for (auto& b : m.blocks) {
       const T* src = in + (back ? b.to : b.from) * width;
       T* dst = out + (back ? b.from : b.to) * width;
@@ -424,7 +506,7 @@ private:
 
   // Packs rows of `in` (expert-major, as xp) into m.xs in send order, or
   // (`back`) unpacks m.xs into `out`.
-  static void pack(layer_cache<T>& m, const T* in, T* out, size_t width, bool back) {
+  static void pack(layer_cache<T, Ops>& m, const T* in, T* out, size_t width, bool back) {
     size_t at = 0;
     for (auto& p : m.pieces) {
       if (back)
@@ -442,14 +524,14 @@ private:
   // of a replicated expert), the hosts run their experts over the rows of
   // every rank and send the outputs back.
   void experts_forward_parallel(size_t l) {
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t dm = d(), h = c_.expert_ffn, S = ex_->ranks(), me = ex_->rank();
     const size_t E = c_.experts;
     // Every rank's rows per expert: all[s * E + e].
     std::vector<int64_t> out_counts(S * E), all(S * E);
     for (size_t j = 0; j < S; ++j)
       for (size_t e = 0; e < E; ++e)
-        out_counts[j * E + e] = m.counts[e];
+        out_counts[j * E + e] = m.host_counts[e];
     ex_->exchange_counts(out_counts.data(), all.data(), E);
     std::vector<std::vector<uint32_t>> hosts;
     ex_->place(l, all.data(), E, hosts);
@@ -464,8 +546,8 @@ private:
     for (size_t j = 0; j < S; ++j)
       for (size_t e = 0; e < E; ++e)
         if (long i = host_slot(e, j); i >= 0) {
-          auto [first, rows] = share(m.counts[e], hosts[e].size(), static_cast<size_t>(i));
-          m.pieces.push_back({static_cast<size_t>(m.offsets[e]) + first, rows});
+          auto [first, rows] = share(m.host_counts[e], hosts[e].size(), static_cast<size_t>(i));
+          m.pieces.push_back({static_cast<size_t>(m.host_offsets[e]) + first, rows});
           m.send[j] += rows * dm;
         }
     // What arrives: from each source, its rows of my experts, by expert.
@@ -523,9 +605,9 @@ private:
         const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
         T* pre = m.ee_pre.data() + first * h;
         T* act = m.ee_act.data() + first * h;
-        linear(m.xe.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
-        kc::gelu_forward(pre, act, cnt * h);
-        linear(act, W(x.w2), W(x.b2), cnt, h, dm, m.ye.data() + first * dm);
+        linear(ops_, m.xe.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
+        ops_.gelu_forward(pre, act, cnt * h);
+        linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, m.ye.data() + first * dm);
       }
       release(at_.layers[l].expert_units[e]);
     }
@@ -540,7 +622,7 @@ private:
   // replicated expert's weight gradient is split over its hosts: the
   // group's gradient reduction adds the parts.
   void experts_backward_parallel(size_t l, T* g) {
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t dm = d(), h = c_.expert_ffn;
     pack(m, de_out_.data(), nullptr, dm, false);
     ex_->exchange(m.xs.data(), m.send, m.xr.data(), m.recv);
@@ -555,10 +637,10 @@ private:
         const expert_at& x = at_.layers[l].experts[e];
         const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
         T* da = dact_.data() + first * h;
-        linear_backward(m.ee_act.data() + first * h, m.ye.data() + first * dm, W(x.w2), cnt, h,
+        linear_backward(ops_, m.ee_act.data() + first * h, m.ye.data() + first * dm, W(x.w2), cnt, h,
                         dm, G(g, x.w2), G(g, x.b2), da, T(0));
-        kc::gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
-        linear_backward(m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1),
+        ops_.gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
+        linear_backward(ops_, m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1),
                         G(g, x.b1), dxe_.data() + first * dm, T(0));
       }
       reduced(at_.layers[l].expert_units[e]);
@@ -572,24 +654,24 @@ private:
   void backward(T* g, T loss_scale) {
     const size_t n = n_, dm = d(), cw = c_.context * dm;
     dlogits_.resize(n * vocab);
-    kc::softmax_cross_entropy_backward(logits_.data(), target_.data(), n, vocab, loss_scale,
+    ops_.softmax_cross_entropy_backward(logits_.data(), target_.data(), n, vocab, loss_scale,
                                        dlogits_.data());
     dx_.resize(n * dm);
     accumulate(at_.out);
-    linear_backward(x_.data(), dlogits_.data(), W(at_.out_w), n, dm, vocab, G(g, at_.out_w),
+    linear_backward(ops_, x_.data(), dlogits_.data(), W(at_.out_w), n, dm, vocab, G(g, at_.out_w),
                     G(g, at_.out_b), dx_.data(), T(0));
     reduced(at_.out);
     for (size_t l = c_.layers; l-- > 0;)
       layer_backward(l, g, loss_scale);
     // x = embed[tok] + gelu(mix(ctx)).
-    kc::gelu_backward(mix_pre_.data(), dx_.data(), tmp_.data(), n * dm);
+    ops_.gelu_backward(mix_pre_.data(), dx_.data(), tmp_.data(), n * dm);
     dctx_.resize(n * cw);
     fetch(at_.pre);
     accumulate(at_.pre);
-    linear_backward(ctx_.data(), tmp_.data(), W(at_.mix_w), n, cw, dm, G(g, at_.mix_w),
+    linear_backward(ops_, ctx_.data(), tmp_.data(), W(at_.mix_w), n, cw, dm, G(g, at_.mix_w),
                     G(g, at_.mix_b), dctx_.data(), T(0));
-    kc::scatter_add_rows(dx_.data(), tok_.data(), n, dm, G(g, at_.embed));
-    kc::scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, G(g, at_.embed));
+    ops_.scatter_add_rows(dx_.data(), tok_.data(), n, dm, G(g, at_.embed));
+    ops_.scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, G(g, at_.embed));
     reduced(at_.pre);
   }
 
@@ -597,15 +679,15 @@ private:
   void layer_backward(size_t l, T* g, T loss_scale) {
     moe_backward(l, g, loss_scale);
     const layer_at& at = at_.layers[l];
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
     dact_.resize(n * f);
     fetch(at.ffn);
     accumulate(at.ffn);
-    linear_backward(m.ffn_act.data(), dx_.data(), W(at.w2), n, f, dm, G(g, at.w2), G(g, at.b2),
+    linear_backward(ops_, m.ffn_act.data(), dx_.data(), W(at.w2), n, f, dm, G(g, at.w2), G(g, at.b2),
                     dact_.data(), T(0));
-    kc::gelu_backward(m.ffn_pre.data(), dact_.data(), dact_.data(), n * f);
-    linear_backward(m.x_in.data(), dact_.data(), W(at.w1), n, dm, f, G(g, at.w1), G(g, at.b1),
+    ops_.gelu_backward(m.ffn_pre.data(), dact_.data(), dact_.data(), n * f);
+    linear_backward(ops_, m.x_in.data(), dact_.data(), W(at.w1), n, dm, f, G(g, at.w1), G(g, at.b1),
                     dx_.data(), T(1));
     reduced(at.ffn);
   }
@@ -613,16 +695,16 @@ private:
   // x_out = x_mid + combine(experts(permute(x_mid)), gates(router(x_mid))):
   // turns dx_ from d/d(x_out) into d/d(x_mid).
   void moe_backward(size_t l, T* g, T loss_scale) {
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k, h = c_.expert_ffn;
     de_out_.resize(m.rows * dm);
     dgates_.resize(n * k);
-    kc::unpermute_tokens_backward(dx_.data(), m.e_out.data(), m.row_of.data(), m.gates.data(), n,
+    ops_.unpermute_tokens_backward(dx_.data(), m.e_out.data(), m.row_of.data(), m.gates.data(), n,
                                   k, dm, de_out_.data(), dgates_.data());
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (Ops::host && std::is_same_v<T, float>) {
       if (ex_) {
         experts_backward_parallel(l, g);
-        kc::permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
+        ops_.permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
         router_backward(l, g, loss_scale);
         return;
       }
@@ -631,38 +713,38 @@ private:
     dact_.resize(m.rows * h);
     for (size_t i = 0; i < e; ++i) {
       const expert_at& x = at_.layers[l].experts[i];
-      const size_t first = static_cast<size_t>(m.offsets[i]);
-      const size_t cnt = static_cast<size_t>(m.counts[i]);
+      const size_t first = static_cast<size_t>(m.host_offsets[i]);
+      const size_t cnt = static_cast<size_t>(m.host_counts[i]);
       T* da = dact_.data() + first * h;
       fetch(at_.layers[l].expert_units[i]);
       accumulate(at_.layers[l].expert_units[i]);
-      linear_backward(m.e_act.data() + first * h, de_out_.data() + first * dm, W(x.w2), cnt, h,
+      linear_backward(ops_, m.e_act.data() + first * h, de_out_.data() + first * dm, W(x.w2), cnt, h,
                       dm, G(g, x.w2), G(g, x.b2), da, T(0));
-      kc::gelu_backward(m.e_pre.data() + first * h, da, da, cnt * h);
-      linear_backward(m.xp.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1), G(g, x.b1),
+      ops_.gelu_backward(m.e_pre.data() + first * h, da, da, cnt * h);
+      linear_backward(ops_, m.xp.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1), G(g, x.b1),
                       dxp_.data() + first * dm, T(0));
       reduced(at_.layers[l].expert_units[i]);
     }
-    kc::permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
+    ops_.permute_tokens_backward(dxp_.data(), m.token_of.data(), m.rows, dm, dx_.data());
     router_backward(l, g, loss_scale);
   }
 
   // Gates and the aux loss back to the router weights and x_mid.
   void router_backward(size_t l, T* g, T loss_scale) {
-    layer_cache<T>& m = caches_[l];
+    layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), e = c_.experts, k = c_.top_k;
     dprobs_.assign(n * e, T(0));
-    kc::top_k_gating_backward(m.probs.data(), m.chosen.data(), m.gates.data(), dgates_.data(), n,
+    ops_.top_k_gating_backward(m.probs.data(), m.chosen.data(), m.gates.data(), dgates_.data(), n,
                               e, k, dprobs_.data());
     const T aux_weight = static_cast<T>(c_.aux_loss_weight) * loss_scale;
-    kc::load_balancing_backward(m.chosen.data(), n, e, k, aux_weight, dprobs_.data());
-    kc::softmax_rows_backward(m.probs.data(), dprobs_.data(), dprobs_.data(), n, e);
+    ops_.load_balancing_backward(m.chosen.data(), n, e, k, aux_weight, dprobs_.data());
+    ops_.softmax_rows_backward(m.probs.data(), dprobs_.data(), dprobs_.data(), n, e);
     const size_t router = at_.layers[l].router;
     fetch(at_.layers[l].route);
     accumulate(at_.layers[l].route);
-    kc::gemm(true, false, dm, e, n, T(1), m.x_mid.data(), dm, dprobs_.data(), e, T(1), G(g, router),
+    ops_.gemm(true, false, dm, e, n, T(1), m.x_mid.data(), dm, dprobs_.data(), e, T(1), G(g, router),
              e);
-    kc::gemm(false, true, n, dm, e, T(1), dprobs_.data(), e, W(router), e, T(1), dx_.data(), dm);
+    ops_.gemm(false, true, n, dm, e, T(1), dprobs_.data(), e, W(router), e, T(1), dx_.data(), dm);
     reduced(at_.layers[l].route);
   }
 
@@ -671,11 +753,6 @@ private:
     for (const auto& m : caches_)
       for (size_t a = 0; a < m.chosen.size(); ++a)
         out.push_back(m.slots[a] >= 0 ? m.chosen[a] : -1 - m.chosen[a]);
-  }
-
-  static void add(T* y, const T* x, size_t n) {
-    for (size_t i = 0; i < n; ++i)
-      y[i] += x[i];
   }
 
   moe_config c_;
@@ -688,11 +765,289 @@ private:
   T* live_g_ = nullptr;
   const T* p_ = nullptr;
   size_t n_ = 0;
-  std::vector<int32_t> tok_, target_, ctx_idx_;
-  std::vector<T> x_, ctx_, mix_pre_, logits_, tmp_;
-  std::vector<layer_cache<T>> caches_;
-  std::vector<T> dlogits_, dx_, dctx_, dact_, de_out_, dgates_, dxp_, dprobs_, dxe_;
+  Ops ops_;
+  std::vector<int32_t> host_tok_, host_target_, host_ctx_;
+  buf<int32_t> tok_, target_, ctx_idx_;
+  buf<T> x_, ctx_, mix_pre_, logits_, tmp_;
+  std::vector<layer_cache<T, Ops>> caches_;
+  buf<T> dlogits_, dx_, dctx_, dact_, de_out_, dgates_, dxp_, dprobs_;
+  std::vector<T> dxe_; // expert parallel (host only)
 };
+
+// ---------------------------------------------------------------------------
+// The network on a device: its activations in device buffers, its kernels
+// the device's. emulated_ops runs that code path on the CPU with buffers
+// that allow no host access at all (a use would not compile) and forget
+// their contents on every resize, so the device path is tested where there
+// is no GPU; cuda_ops runs it on a GPU.
+
+/// Device-like memory on the host: no element access, contents garbage
+/// (NaN bytes) after every resize.
+template <class U>
+class emulated_buffer {
+public:
+  U* data() { return v_.data(); }
+  const U* data() const { return v_.data(); }
+  size_t size() const { return v_.size(); }
+  void resize(size_t n) {
+    v_.resize(n);
+    std::memset(static_cast<void*>(v_.data()), 0xff, n * sizeof(U));
+  }
+  void assign(size_t n, U zero) {
+    CMESH_CHECK(zero == U{});
+    v_.assign(n, U{});
+  }
+
+private:
+  std::vector<U> v_;
+};
+
+struct emulated_ops : host_ops<float> {
+  static constexpr bool host = false;
+  template <class U>
+  using buffer = emulated_buffer<U>;
+  template <class U>
+  static void upload(buffer<U>& out, const U* from, size_t n) {
+    out.resize(n);
+    std::copy_n(from, n, out.data());
+  }
+  template <class U>
+  static void download(U* out, const buffer<U>& from, size_t n) {
+    CMESH_CHECK_LE(n, from.size());
+    std::copy_n(from.data(), n, out);
+  }
+};
+
+/// The model over a device network: parameters() and gradients() are host
+/// buffers (the runtime reduces, shards and updates them there); each
+/// forward_backward uploads the weights, runs on the device, adds to the
+/// device's gradient and downloads it, so gradients() holds the sum since
+/// the last zero_gradients() when it returns. Experts are not split over
+/// ranks and weights are not streamed on a device yet.
+template <class Ops>
+class device_model final : public model {
+public:
+  device_model(const moe_config& c, Ops ops)
+      : c_(c), net_(c, std::move(ops)), params_(net_.at().total), grads_(net_.at().total) {
+    moe_lm_init(c, params_.span());
+    d_grads_.assign(net_.at().total, 0.0f);
+  }
+
+  const std::vector<tensor_info>& tensors() const override { return net_.at().tensors; }
+  std::span<float> parameters() override { return params_.span(); }
+  std::span<float> gradients() override { return grads_.span(); }
+  void zero_gradients() override {
+    std::fill(grads_.begin(), grads_.end(), 0.0f);
+    d_grads_.assign(net_.at().total, 0.0f);
+  }
+  step_stats forward_backward(const batch& b, float loss_scale) override {
+    Ops::upload(d_params_, params_.data(), params_.size());
+    auto s = net_.run(d_params_.data(), d_grads_.data(), b, loss_scale, nullptr);
+    Ops::download(grads_.data(), d_grads_, grads_.size());
+    return s;
+  }
+  step_stats evaluate(const batch& b) override {
+    Ops::upload(d_params_, params_.data(), params_.size());
+    return net_.run(d_params_.data(), nullptr, b, 1.0f, nullptr);
+  }
+  size_t experts() const override { return c_.experts; }
+  size_t moe_layers() const override { return c_.layers; }
+
+private:
+  moe_config c_;
+  network<float, Ops> net_;
+  page_array params_, grads_;
+  typename Ops::template buffer<float> d_params_, d_grads_;
+};
+
+#ifdef CMESH_HAVE_CUDA
+namespace kcu = kernels::cuda;
+
+/// Device memory (cudaMalloc) with the buffer interface the network uses:
+/// resize keeps nothing, assign only zeroes. Everything runs on the legacy
+/// default stream, so the network's kernels and these copies are ordered.
+template <class U>
+class cuda_buffer {
+public:
+  cuda_buffer() = default;
+  ~cuda_buffer() {
+    if (p_)
+      cudaFree(p_);
+  }
+  cuda_buffer(const cuda_buffer& o) { *this = o; }
+  cuda_buffer& operator=(const cuda_buffer& o) {
+    if (this != &o) {
+      resize(o.n_);
+      if (n_)
+        CMESH_CUDA_CHECK(cudaMemcpyAsync(p_, o.p_, n_ * sizeof(U), cudaMemcpyDeviceToDevice, 0));
+    }
+    return *this;
+  }
+  U* data() { return p_; }
+  const U* data() const { return p_; }
+  size_t size() const { return n_; }
+  void resize(size_t n) {
+    if (n > cap_) {
+      if (p_)
+        CMESH_CUDA_CHECK(cudaFree(p_));
+      p_ = nullptr;
+      void* q = nullptr;
+      CMESH_CUDA_CHECK(cudaMalloc(&q, n * sizeof(U)));
+      p_ = static_cast<U*>(q);
+      cap_ = n;
+    }
+    n_ = n;
+  }
+  void assign(size_t n, U zero) {
+    CMESH_CHECK(zero == U{});
+    resize(n);
+    if (n)
+      CMESH_CUDA_CHECK(cudaMemsetAsync(p_, 0, n * sizeof(U), 0));
+  }
+
+private:
+  U* p_ = nullptr;
+  size_t n_ = 0, cap_ = 0;
+};
+
+/// The network's kernels on the current GPU (kernels/cuda/ops.hpp), with
+/// the CPU versions' signatures: a kernel whose CPU version returns a value
+/// (a loss, a count) waits for it.
+class cuda_ops {
+public:
+  static constexpr bool host = false;
+  template <class U>
+  using buffer = cuda_buffer<U>;
+
+  cuda_ops() : blas_(std::make_shared<kcu::cublas_handle>()) {}
+
+  void gemm(bool ta, bool tb, size_t m, size_t n, size_t k, float alpha, const float* a,
+            size_t lda, const float* b, size_t ldb, float beta, float* c, size_t ldc) {
+    kcu::gemm(*blas_, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, stream_);
+  }
+  void add_row_bias(float* y, const float* bias, size_t rows, size_t cols) {
+    kcu::add_row_bias(y, bias, rows, cols, stream_);
+  }
+  void add_column_sums(float* sums, const float* x, size_t rows, size_t cols) {
+    kcu::add_column_sums(sums, x, rows, cols, stream_);
+  }
+  void gelu_forward(const float* x, float* y, size_t n) { kcu::gelu_forward(x, y, n, stream_); }
+  void gelu_backward(const float* x, const float* dy, float* dx, size_t n) {
+    kcu::gelu_backward(x, dy, dx, n, stream_);
+  }
+  void gather_rows(const float* table, const int32_t* index, size_t count, size_t width,
+                   float* out) {
+    kcu::gather_rows(table, index, count, width, out, stream_);
+  }
+  void scatter_add_rows(const float* rows, const int32_t* index, size_t count, size_t width,
+                        float* table) {
+    kcu::scatter_add_rows(rows, index, count, width, table, stream_);
+  }
+  double softmax_cross_entropy_forward(const float* logits, const int32_t* targets, size_t rows,
+                                       size_t vocab) {
+    row_loss_.resize(std::max<size_t>(rows, 1));
+    scalar_.resize(1);
+    kcu::softmax_cross_entropy_forward(logits, targets, rows, vocab, row_loss_.data(),
+                                       scalar_.data(), stream_);
+    return fetch(scalar_);
+  }
+  void softmax_cross_entropy_backward(const float* logits, const int32_t* targets, size_t rows,
+                                      size_t vocab, float dloss, float* dlogits) {
+    kcu::softmax_cross_entropy_backward(logits, targets, rows, vocab, dloss, dlogits, stream_);
+  }
+  void softmax_rows(const float* logits, float* probs, size_t rows, size_t cols) {
+    kcu::softmax_rows(logits, probs, rows, cols, stream_);
+  }
+  void softmax_rows_backward(const float* probs, const float* dprobs, float* dlogits,
+                             size_t rows, size_t cols) {
+    kcu::softmax_rows_backward(probs, dprobs, dlogits, rows, cols, stream_);
+  }
+  void top_k_gating(const float* probs, size_t tokens, size_t experts, size_t k, int32_t* chosen,
+                    float* gates) {
+    kcu::top_k_gating(probs, tokens, experts, k, chosen, gates, stream_);
+  }
+  void top_k_gating_backward(const float* probs, const int32_t* chosen, const float* gates,
+                             const float* dgates, size_t tokens, size_t experts, size_t k,
+                             float* dprobs) {
+    kcu::top_k_gating_backward(probs, chosen, gates, dgates, tokens, experts, k, dprobs,
+                               stream_);
+  }
+  size_t assign_capacity(const int32_t* chosen, size_t tokens, size_t experts, size_t k,
+                         size_t capacity, int32_t* slots, int32_t* counts) {
+    count_.resize(1);
+    kcu::assign_capacity(chosen, tokens, experts, k, capacity, slots, counts, count_.data(),
+                         stream_);
+    return static_cast<size_t>(std::max<int32_t>(0, fetch(count_)));
+  }
+  size_t build_permutation(const int32_t* chosen, const int32_t* slots, const int32_t* counts,
+                           size_t tokens, size_t experts, size_t k, int32_t* offsets,
+                           int32_t* row_of, int32_t* token_of) {
+    kcu::build_permutation(chosen, slots, counts, tokens, experts, k, offsets, row_of, token_of,
+                           stream_);
+    int32_t rows = 0;
+    CMESH_CUDA_CHECK(cudaMemcpyAsync(&rows, offsets + experts, sizeof(rows),
+                                     cudaMemcpyDeviceToHost, stream_));
+    CMESH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return static_cast<size_t>(std::max<int32_t>(0, rows));
+  }
+  void permute_tokens(const float* x, const int32_t* token_of, size_t rows, size_t width,
+                      float* out) {
+    kcu::permute_tokens(x, token_of, rows, width, out, stream_);
+  }
+  void permute_tokens_backward(const float* dout, const int32_t* token_of, size_t rows,
+                               size_t width, float* dx) {
+    kcu::permute_tokens_backward(dout, token_of, rows, width, dx, stream_);
+  }
+  void unpermute_tokens(const float* expert_out, const int32_t* row_of, const float* gates,
+                        size_t tokens, size_t k, size_t width, float* y) {
+    kcu::unpermute_tokens(expert_out, row_of, gates, tokens, k, width, y, stream_);
+  }
+  void unpermute_tokens_backward(const float* dy, const float* expert_out, const int32_t* row_of,
+                                 const float* gates, size_t tokens, size_t k, size_t width,
+                                 float* dexpert_out, float* dgates) {
+    kcu::unpermute_tokens_backward(dy, expert_out, row_of, gates, tokens, k, width, dexpert_out,
+                                   dgates, stream_);
+  }
+  double load_balancing_loss(const float* probs, const int32_t* chosen, size_t tokens,
+                             size_t experts, size_t k) {
+    scalar_.resize(1);
+    kcu::load_balancing_loss(probs, chosen, tokens, experts, k, scalar_.data(), stream_);
+    return fetch(scalar_);
+  }
+  void load_balancing_backward(const int32_t* chosen, size_t tokens, size_t experts, size_t k,
+                               float weight, float* dprobs) {
+    kcu::load_balancing_backward(chosen, tokens, experts, k, weight, dprobs, stream_);
+  }
+  /// y += x: a bias of one row.
+  void add(float* y, const float* x, size_t n) { kcu::add_row_bias(y, x, 1, n, stream_); }
+  template <class U>
+  static void upload(buffer<U>& out, const U* from, size_t n) {
+    out.resize(n);
+    if (n)
+      CMESH_CUDA_CHECK(cudaMemcpy(out.data(), from, n * sizeof(U), cudaMemcpyHostToDevice));
+  }
+  template <class U>
+  static void download(U* out, const buffer<U>& from, size_t n) {
+    CMESH_CHECK_LE(n, from.size());
+    if (n)
+      CMESH_CUDA_CHECK(cudaMemcpy(out, from.data(), n * sizeof(U), cudaMemcpyDeviceToHost));
+  }
+
+private:
+  template <class U>
+  U fetch(const buffer<U>& one) {
+    U v{};
+    CMESH_CUDA_CHECK(cudaMemcpyAsync(&v, one.data(), sizeof(U), cudaMemcpyDeviceToHost, stream_));
+    CMESH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return v;
+  }
+
+  std::shared_ptr<kcu::cublas_handle> blas_;
+  cudaStream_t stream_ = nullptr; // the legacy default stream
+  buffer<double> row_loss_, scalar_;
+  buffer<int32_t> count_;
+};
+#endif
 
 // ---------------------------------------------------------------------------
 // The model interface over the float network.
@@ -745,6 +1100,36 @@ private:
 } // namespace
 
 std::unique_ptr<model> make_moe_lm(const moe_config& c) { return std::make_unique<moe_lm>(c); }
+
+expected<std::unique_ptr<model>> make_moe_lm_on(const moe_config& c, compute_device d,
+                                                size_t ordinal) {
+  switch (d) {
+    case compute_device::cpu:
+      return make_moe_lm(c);
+    case compute_device::emulated:
+      return std::unique_ptr<model>(std::make_unique<device_model<emulated_ops>>(c, emulated_ops{}));
+    case compute_device::cuda:
+      break;
+  }
+  const auto acc = kernels::query_accelerators();
+  if (!acc.cuda_compiled)
+    return make_error(errc::invalid_argument, "--device cuda: this build has no CUDA (" +
+                                                kernels::describe(acc) + ")");
+  if (acc.devices.empty())
+    return make_error(errc::invalid_argument,
+                      "--device cuda: no CUDA device: " + kernels::describe(acc));
+#ifdef CMESH_HAVE_CUDA
+  try {
+    CMESH_CUDA_CHECK(cudaSetDevice(static_cast<int>(ordinal % acc.devices.size())));
+    return std::unique_ptr<model>(std::make_unique<device_model<cuda_ops>>(c, cuda_ops{}));
+  } catch (const std::exception& e) {
+    return make_error(errc::invalid_argument, std::string("--device cuda: ") + e.what());
+  }
+#else
+  (void)ordinal;
+  return make_error(errc::invalid_argument, "--device cuda: this build has no CUDA");
+#endif
+}
 
 std::vector<tensor_info> moe_lm_tensors(const moe_config& c) { return make_layout(c).tensors; }
 

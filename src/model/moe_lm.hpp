@@ -37,6 +37,19 @@ namespace cmesh::model {
 /// from files; here a violation is a programmer error and aborts).
 std::unique_ptr<model> make_moe_lm(const moe_config& c);
 
+/// Where the model computes. `emulated` runs the device code path (device
+/// buffers, kernels called as a GPU's, weights uploaded and gradients
+/// downloaded per micro-batch) with the CPU kernels and buffers that allow
+/// no host access: the device path's test where there is no GPU.
+enum class compute_device { cpu, cuda, emulated };
+
+/// The model on `d`. cuda: on GPU `ordinal` modulo the visible devices
+/// (made the calling thread's current device: call the model from this
+/// thread), with the CUDA kernels and cuBLAS; errc::invalid_argument
+/// (saying why) on a build without CUDA or a machine without a GPU.
+expected<std::unique_ptr<model>> make_moe_lm_on(const moe_config& c, compute_device d,
+                                                size_t ordinal = 0);
+
 /// The tensors for `c` in buffer order: "embed", "mix.w", "mix.b", then per
 /// layer "layerL.ffn.{w1,b1,w2,b2}", "layerL.moe.router",
 /// "layerL.moe.expertE.{w1,b1,w2,b2}", then "out.w", "out.b".

@@ -588,11 +588,17 @@ private:
 
 } // namespace
 
+/// Two micro-batches of 3 and 2 sequences from the repeated text.
+std::pair<batch, batch> two_batches(unsigned seed, size_t seq_len) {
+  std::mt19937 rng(seed);
+  const auto text = repeated_text(4000);
+  batch b1 = make_batch(text, 3, seq_len, rng);
+  return {std::move(b1), make_batch(text, 2, seq_len, rng)};
+}
+
 TEST_CASE("moe_lm: streamed weights give the gradient of whole ones, each unit reduced once") {
   const auto c = tiny_config(2);
-  std::mt19937 rng(5);
-  const auto text = repeated_text(4000);
-  const batch b1 = make_batch(text, 3, 12, rng), b2 = make_batch(text, 2, 12, rng);
+  const auto [b1, b2] = two_batches(5, 12);
 
   auto whole = make_moe_lm(c);
   auto streamed = make_moe_lm(c);
@@ -634,4 +640,71 @@ TEST_CASE("moe_lm: streamed weights give the gradient of whole ones, each unit r
   s.check(2);
   // Back to whole weights: the model's buffers are used directly again.
   REQUIRE(streamed->set_parameter_stream(nullptr));
+}
+
+TEST_CASE("moe_lm: the device code path (emulated) computes what the CPU model does") {
+  // The device network keeps its activations in buffers that forget their
+  // contents on every resize and allow no host access: a step that relied
+  // on either would differ here (or not compile).
+  const auto c = tiny_config(2);
+  const auto [b1, b2] = two_batches(11, 16);
+  auto cpu = make_moe_lm(c);
+  auto dev = make_moe_lm_on(c, compute_device::emulated);
+  REQUIRE(dev);
+  auto& d = **dev;
+  REQUIRE(d.parameters().size() == cpu->parameters().size());
+  CHECK(std::equal(d.parameters().begin(), d.parameters().end(), cpu->parameters().begin()));
+  CHECK_FALSE(d.set_expert_exchange(reinterpret_cast<expert_exchange*>(&d)));
+  for (int round = 0; round < 2; ++round) {
+    cpu->zero_gradients();
+    d.zero_gradients();
+    const auto s1 = cpu->forward_backward(b1, 4.0f), t1 = d.forward_backward(b1, 4.0f);
+    const auto s2 = cpu->forward_backward(b2), t2 = d.forward_backward(b2);
+    CHECK(s1.loss == t1.loss);
+    CHECK(s1.aux_loss == t1.aux_loss);
+    CHECK(s2.loss == t2.loss);
+    CHECK(s1.dropped == t1.dropped);
+    CHECK(s1.expert_load == t1.expert_load);
+    auto g = cpu->gradients(), h = d.gradients();
+    CHECK(std::memcmp(g.data(), h.data(), g.size() * sizeof(float)) == 0);
+    // The runtime changes the weights between steps: the device sees them.
+    for (size_t i = 0; i < g.size(); ++i) {
+      cpu->parameters()[i] -= 0.01f * g[i];
+      d.parameters()[i] -= 0.01f * h[i];
+    }
+  }
+  CHECK(cpu->evaluate(b2).loss == d.evaluate(b2).loss);
+  batch empty;
+  empty.seq_len = 16;
+  CHECK(d.forward_backward(empty).tokens == 0);
+}
+
+TEST_CASE("moe_lm: on a GPU the model computes what the CPU model does") {
+  const auto c = tiny_config(2);
+  auto dev = make_moe_lm_on(c, compute_device::cuda);
+  if (!dev) {
+    const auto why = cmesh::describe(dev.error());
+    MESSAGE("skipped: " << why);
+    CHECK(cmesh::code_of(dev.error()) == cmesh::errc::invalid_argument);
+    CHECK(why.find("--device cuda") != std::string::npos);
+    return;
+  }
+  std::mt19937 rng(13);
+  const batch b = make_batch(repeated_text(4000), 4, 32, rng);
+  auto cpu = make_moe_lm(c);
+  auto& d = **dev;
+  cpu->zero_gradients();
+  d.zero_gradients();
+  const auto s = cpu->forward_backward(b), t = d.forward_backward(b);
+  CHECK(t.loss == doctest::Approx(s.loss).epsilon(1e-5));
+  CHECK(t.aux_loss == doctest::Approx(s.aux_loss).epsilon(1e-4));
+  CHECK(t.expert_load == s.expert_load);
+  auto g = cpu->gradients(), h = d.gradients();
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(g[i]) - h[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(g[i])));
+  }
+  MESSAGE("GPU against CPU: largest gradient difference " << worst << " (largest " << scale << ")");
+  CHECK(worst <= 1e-4 * scale);
 }
