@@ -434,8 +434,8 @@ int main(int argc, char** argv) {
   std::vector<mem_case> mem = {
     {"1x1", 1, "optimizer"}, {"1x2 optimizer", 2, "optimizer"}, {"1x2 full", 2, "full"}};
   fmt::print("| layout, sharding | max RSS per rank MiB (measured) | params+grads+AdamW MiB "
-             "(computed) | replay window MiB ({} updates) | RSS less both |\n"
-             "|---|---|---|---|---|\n",
+             "(computed) | replay window MiB ({} updates) | RSS less both | step ms (mean) |\n"
+             "|---|---|---|---|---|---|\n",
              window);
   const auto cfg_path = fmt::format("/tmp/cmesh_bench_train_{}.toml", getpid());
   for (auto& c : mem) {
@@ -450,7 +450,7 @@ int main(int argc, char** argv) {
     const double st = state_bytes(S, full), win = window_bytes(S, window);
     if (r.status != 0 || r.stats.size() != S) {
       all_ran = false;
-      fmt::print("| {} | run failed (status {}) | {:.1f} | {:.1f} | |\n", c.name, r.status,
+      fmt::print("| {} | run failed (status {}) | {:.1f} | {:.1f} | | |\n", c.name, r.status,
                  mib(st), mib(win));
       continue;
     }
@@ -460,8 +460,9 @@ int main(int argc, char** argv) {
       c.rss = std::max(c.rss, s.max_rss_mb);
       per_rank += fmt::format("{}{:.0f}", per_rank.empty() ? "" : " / ", s.max_rss_mb);
     }
-    fmt::print("| {} | {} | {:.1f} | {:.1f} | {:.1f} |\n", c.name, per_rank, mib(st), mib(win),
-               c.rss - mib(st + win));
+    fmt::print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} |\n", c.name, per_rank, mib(st),
+               mib(win), c.rss - mib(st + win),
+               r.stats.begin()->second.step_ms_total / static_cast<double>(mem_steps));
   }
   std::remove(cfg_path.c_str());
   fmt::print("\n1x2 / 1x1 per rank, goal \"at 1x2 each rank's parameter and optimizer memory at "
@@ -489,7 +490,9 @@ int main(int argc, char** argv) {
              "weights and gradients stream through the group a unit at a time (largest unit\n"
              "here {:.2f} M elements): a rank holds its shard of everything plus one unit's\n"
              "weights and gradient. 'RSS less both' is the rest: runtime, communicators,\n"
-             "activations, allocator slack.\n\n",
+             "activations, allocator slack. Step ms: rank 0's mean over the run, the first\n"
+             "step included; full sharding gathers the weights twice per micro-batch and\n"
+             "reduce-scatters per micro-batch, unit by unit, without prefetching yet.\n\n",
              replay_window, static_cast<double>(largest_unit) / 1e6);
   return all_ran ? 0 : 1;
 }
