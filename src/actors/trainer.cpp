@@ -252,7 +252,7 @@ public:
                                       coll::reduce_op::sum);
       });
     }
-    if (error_)
+    if (error_ || mine == 0)
       return;
     float* sum = sum_.data() + (lo_ - shards_->offsets[position_]);
     for (size_t i = 0; i < mine; ++i)

@@ -560,8 +560,9 @@ caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
       if (L.step + 1 == steps) {
         // The block received at the last step is this member's own.
         auto own = chunk_of(blocks[me_], L.chunk, ce);
-        std::memcpy(out_own + (own.offset - blocks[me_].offset) * es, L.slot_recv,
-                    own.count * es);
+        if (own.count > 0) // an empty block may come with a null buffer
+          std::memcpy(out_own + (own.offset - blocks[me_].offset) * es, L.slot_recv,
+                      own.count * es);
         L.active = false;
         ++finished;
         if (next_chunk < nchunks)
