@@ -28,6 +28,12 @@ std::vector<float> abs_of(std::vector<float> v) {
 
 } // namespace
 
+TEST_CASE("cuBLAS is opened on demand, with every symbol the gemm needs") {
+  // No device needed: the library and its symbols load without a driver.
+  // Before it, a process has not mapped it (CPU runs never do).
+  CHECK_NOTHROW(gpu::load_cublas());
+}
+
 TEST_CASE("cuda gemm: every transpose combination matches the cpu oracle") {
   CMESH_CUDA_TEST_REQUIRE_DEVICE();
   const shape shapes[] = {{1, 1, 1},   {3, 5, 7},   {2, 1, 9},    {17, 31, 13}, {64, 64, 64},

@@ -3,18 +3,69 @@
 #include "kernels/cuda/ops.hpp"
 
 #include <climits>
+#include <dlfcn.h>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace cmesh::kernels::cuda {
 
 namespace {
 
+// cuBLAS is loaded on first use (dlopen), not linked: its libraries cost a
+// process some 150 MiB of resident memory as soon as they are mapped, and
+// a CPU run never calls them.
+struct cublas_api {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSgemm_v2) sgemm = nullptr;
+  decltype(&cublasSetMathMode) set_math_mode = nullptr;
+  decltype(&cublasSetAtomicsMode) set_atomics_mode = nullptr;
+  decltype(&cublasGetStatusName) status_name = nullptr;
+  decltype(&cublasGetStatusString) status_string = nullptr;
+  std::string error; // why it could not be loaded
+};
+
+const cublas_api& cublas() {
+  static const cublas_api api = [] {
+    cublas_api a;
+    const std::string soname = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+    void* lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+#ifdef CMESH_CUDA_LIBRARY_DIR
+    if (!lib)
+      lib = dlopen((std::string(CMESH_CUDA_LIBRARY_DIR) + "/" + soname).c_str(),
+                   RTLD_NOW | RTLD_LOCAL);
+#endif
+    if (!lib) {
+      a.error = "cannot load " + soname + ": " + dlerror();
+      return a;
+    }
+    auto load = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (!fn && a.error.empty())
+        a.error = soname + " has no " + name;
+    };
+    load(a.create, "cublasCreate_v2");
+    load(a.destroy, "cublasDestroy_v2");
+    load(a.set_stream, "cublasSetStream_v2");
+    load(a.sgemm, "cublasSgemm_v2");
+    load(a.set_math_mode, "cublasSetMathMode");
+    load(a.set_atomics_mode, "cublasSetAtomicsMode");
+    load(a.status_name, "cublasGetStatusName");
+    load(a.status_string, "cublasGetStatusString");
+    return a;
+  }();
+  if (!api.error.empty())
+    throw std::runtime_error("cuBLAS: " + api.error);
+  return api;
+}
+
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error(std::string(what) + " failed: " + cublasGetStatusName(status) +
-                             ": " + cublasGetStatusString(status));
+    throw std::runtime_error(std::string(what) + " failed: " + cublas().status_name(status) +
+                             ": " + cublas().status_string(status));
 }
 
 int as_int(std::size_t v, const char* name) {
@@ -53,13 +104,16 @@ __global__ void add_column_sums_kernel(float* sums, const float* __restrict__ x,
 
 } // namespace
 
+void load_cublas() { (void)cublas(); }
+
 cublas_handle::cublas_handle() {
-  check_cublas(cublasCreate(&handle_), "cublasCreate");
+  const auto& api = cublas();
+  check_cublas(api.create(&handle_), "cublasCreate");
   // Full fp32 (no TF32 tensor-op shortcut) and no atomics: reproducible.
-  const cublasStatus_t math = cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH);
-  const cublasStatus_t atomics = cublasSetAtomicsMode(handle_, CUBLAS_ATOMICS_NOT_ALLOWED);
+  const cublasStatus_t math = api.set_math_mode(handle_, CUBLAS_DEFAULT_MATH);
+  const cublasStatus_t atomics = api.set_atomics_mode(handle_, CUBLAS_ATOMICS_NOT_ALLOWED);
   if (math != CUBLAS_STATUS_SUCCESS || atomics != CUBLAS_STATUS_SUCCESS) {
-    (void)cublasDestroy(handle_);
+    (void)api.destroy(handle_);
     handle_ = nullptr;
     check_cublas(math != CUBLAS_STATUS_SUCCESS ? math : atomics, "cublasSet*Mode");
   }
@@ -67,7 +121,7 @@ cublas_handle::cublas_handle() {
 
 cublas_handle::~cublas_handle() {
   if (handle_)
-    (void)cublasDestroy(handle_);
+    (void)cublas().destroy(handle_);
 }
 
 cublas_handle::cublas_handle(cublas_handle&& other) noexcept
@@ -76,7 +130,7 @@ cublas_handle::cublas_handle(cublas_handle&& other) noexcept
 cublas_handle& cublas_handle::operator=(cublas_handle&& other) noexcept {
   if (this != &other) {
     if (handle_)
-      (void)cublasDestroy(handle_);
+      (void)cublas().destroy(handle_);
     handle_ = std::exchange(other.handle_, nullptr);
   }
   return *this;
@@ -96,13 +150,14 @@ void gemm(cublas_handle& handle, bool trans_a, bool trans_b, std::size_t m, std:
   }
   const int im = as_int(m, "m"), in = as_int(n, "n"), ik = as_int(k, "k");
   const int ilda = as_int(lda, "lda"), ildb = as_int(ldb, "ldb"), ildc = as_int(ldc, "ldc");
-  check_cublas(cublasSetStream(handle.get(), stream), "cublasSetStream");
+  const auto& api = cublas();
+  check_cublas(api.set_stream(handle.get(), stream), "cublasSetStream");
   // Column-major view: C^T[n,m] = op(B)^T[n,k] * op(A)^T[k,m]. A row-major
   // matrix is its transpose in column-major, so each operand keeps its flag.
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  check_cublas(cublasSgemm(handle.get(), op_b, op_a, in, im, ik, &alpha, b, ildb, a, ilda, &beta,
-                           c, ildc),
+  check_cublas(api.sgemm(handle.get(), op_b, op_a, in, im, ik, &alpha, b, ildb, a, ilda, &beta, c,
+                         ildc),
                "cublasSgemm");
 }
 

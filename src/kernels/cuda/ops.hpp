@@ -66,6 +66,11 @@ namespace cmesh::kernels::cuda {
 
 // ---- gemm.cu ---------------------------------------------------------------
 
+/// cuBLAS is opened on first use (dlopen), not linked, so that processes
+/// that never use it do not map it. This opens it now: std::runtime_error
+/// saying why when it cannot (the library or one of its symbols missing).
+void load_cublas();
+
 /// Owns a cuBLAS handle (cublasCreate on construction, on the current
 /// device). Not thread-safe: use one per thread (or guard it). Movable.
 class cublas_handle {
