@@ -110,7 +110,8 @@ void check_identical(const job& j, size_t ranks_done) {
 } // namespace
 
 TEST_CASE("SIGKILL a rank: the survivors go on, the restarted rank catches up and rejoins") {
-  auto j = launch("-n 3 --restart-delay-ms 200 --chaos kill@5:1");
+  // The catch-up's threads run at a lower priority here (--catchup-nice).
+  auto j = launch("-n 3 --restart-delay-ms 200 --chaos kill@5:1 --catchup-nice 5");
   INFO(j.r.output);
   REQUIRE(j.r.exit_code == 0);
   auto& ev = j.events;

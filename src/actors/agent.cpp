@@ -15,6 +15,11 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <cstring>
+#include <cerrno>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <sys/resource.h>
 
 namespace cmesh::actors {
 
@@ -310,7 +315,23 @@ void agent::impl::on_control(const control_message& m) {
   cv.notify_all();
 }
 
+namespace {
+
+/// Lowers the calling thread's priority by `nice` (Linux: per thread).
+void lower_thread_priority(int nice) {
+  if (nice <= 0)
+    return;
+  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+  errno = 0;
+  const int now = ::getpriority(PRIO_PROCESS, tid);
+  if (errno == 0 && ::setpriority(PRIO_PROCESS, tid, std::min(19, now + nice)) != 0)
+    spdlog::debug("agent: cannot lower the catch-up thread's priority: {}", std::strerror(errno));
+}
+
+} // namespace
+
 void agent::impl::serve(session_ptr s) {
+  lower_thread_priority(o.catchup_nice);
   const auto& a = s->assign;
   auto fail = [&](const caf::error& e) {
     spdlog::warn("agent: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
@@ -638,7 +659,13 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
       auto a = *I.join;
       I.join_done = a.session;
       lk.unlock();
-      auto e = I.receive(a, st, apply);
+      // On a thread of its own, so that its priority can be lowered and
+      // the trainer's thread keeps its own.
+      caf::error e;
+      std::thread([&] {
+        lower_thread_priority(I.o.catchup_nice);
+        e = I.receive(a, st, apply);
+      }).join();
       if (e) {
         spdlog::warn("agent: catch-up session {} from rank {} failed: {}", a.session, a.source,
                      describe(e));

@@ -53,6 +53,10 @@ struct agent_options {
   std::chrono::milliseconds step_timeout{0};
   /// Chunk of the catch-up transfers (a two-member broadcast).
   size_t catchup_chunk_bytes = size_t{8} << 20;
+  /// Nice value added to the threads that serve and receive a catch-up
+  /// (0: none): on a host shared with training ranks, the catch-up takes
+  /// the cores they leave idle rather than slowing their steps.
+  int catchup_nice = 0;
   /// Where the coordinator is and how this worker registered: when the
   /// connection is lost, the agent reconnects and registers again (a
   /// restarted coordinator rebuilds its state from the workers). Unset: no

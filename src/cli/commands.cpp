@@ -234,6 +234,8 @@ std::vector<std::string> worker_args(const job_options& job) {
   if (!t.device.empty())
     a.insert(a.end(), {"--device", t.device});
   a.insert(a.end(), {"--step-timeout-ms", std::to_string(job.supervise.step_timeout_ms)});
+  if (job.supervise.catchup_nice != 0)
+    a.insert(a.end(), {"--catchup-nice", std::to_string(job.supervise.catchup_nice)});
   return a;
 }
 
@@ -282,7 +284,8 @@ int run_worker(const job_options& job) {
     auto rc = run_training(*j, *config,
                            replica_groups(job.train, static_cast<size_t>(j->place.world_size)),
                            std::chrono::seconds(job.timeout_s),
-                           std::chrono::milliseconds(job.supervise.step_timeout_ms));
+                           std::chrono::milliseconds(job.supervise.step_timeout_ms),
+                           job.supervise.catchup_nice);
     j->net->stop();
     if (!rc) {
       fail_line(fmt::format("rank {}: {}", j->place.rank, describe(rc.error())));

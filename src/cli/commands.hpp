@@ -17,6 +17,7 @@ struct supervise_flags {
   uint32_t min_replicas = 1;
   int64_t quorum_wait_ms = 120000;  // a broken epoch without quorum this long fails the job
   int64_t step_timeout_ms = 300000; // worker: the step watchdog (0: off)
+  int catchup_nice = 0;              // worker: nice added to its catch-up threads
   int64_t restart_delay_ms = 1000;  // launch: before a dead worker is restarted
   uint32_t max_restarts = 3;        // launch: per rank
   std::string chaos;                // launch: a chaos plan (chaos/plan.hpp)

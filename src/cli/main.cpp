@@ -49,6 +49,10 @@ int main(int argc, char** argv) {
                     "where each rank computes: cpu, or cuda (one GPU per rank; overrides the "
                     "config)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+    cmd->add_option("--catchup-nice", job.supervise.catchup_nice,
+                    "nice value added to the threads serving or receiving a catch-up, so that "
+                    "on a shared host it takes idle cores rather than the survivors' (0: off)")
+      ->capture_default_str()->check(CLI::Range(0, 19));
     cmd->add_option("--step-timeout-ms", job.supervise.step_timeout_ms,
                     "step watchdog: a rank computing one step longer than this is hung and "
                     "ends itself (0: off)")

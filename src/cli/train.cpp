@@ -93,7 +93,8 @@ void print_stats(uint32_t rank, double step_ms_total) {
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
-                           std::chrono::seconds timeout, std::chrono::milliseconds step_timeout) {
+                           std::chrono::seconds timeout, std::chrono::milliseconds step_timeout,
+                           int catchup_nice) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
   auto report_failure = [&](const caf::error& e) {
@@ -114,6 +115,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   ao.coordinator = j.coordinator_address;
   ao.registration = j.registration;
   ao.step_timeout = step_timeout;
+  ao.catchup_nice = catchup_nice;
   // The agent owns the coordinator connection from here on (it reconnects
   // to a coordinator that restarts).
   actors::agent agent(ao, std::move(j.coordinator), *ctx);

@@ -41,7 +41,8 @@ inline size_t ranks_per_group(const train_flags& f, size_t world_size) {
 /// exit_fenced when this incarnation was left out of an epoch.
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout,
-                           std::chrono::milliseconds step_timeout = std::chrono::milliseconds(0));
+                           std::chrono::milliseconds step_timeout = std::chrono::milliseconds(0),
+                           int catchup_nice = 0);
 
 /// Exit code of a worker fenced out of the job (it may be restarted).
 constexpr int exit_fenced = 4;
