@@ -894,21 +894,19 @@ expected<train_result> trainer::run() {
     weight_stream fp32;
     fp32.bind(net, I.shards, I.position, false);
     fp32.reset(I.group, master, {}, &I.comm_s);
-    XXH64_state_t* h = XXH64_createState();
-    XXH64_reset(h, 0);
+    std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> h(XXH64_createState(),
+                                                                 &XXH64_freeState);
+    XXH64_reset(h.get(), 0);
     constexpr size_t window = size_t{1} << 20;
     std::vector<float> buf;
     for (size_t a = 0; a < params.size(); a += window) {
       const size_t b = std::min(params.size(), a + window);
       buf.resize(b - a);
-      if (auto e = fp32.gather(a, b, buf.data())) {
-        XXH64_freeState(h);
+      if (auto e = fp32.gather(a, b, buf.data()))
         return e;
-      }
-      XXH64_update(h, buf.data(), buf.size() * sizeof(float));
+      XXH64_update(h.get(), buf.data(), buf.size() * sizeof(float));
     }
-    result.weights_xxh64 = XXH64_digest(h);
-    XXH64_freeState(h);
+    result.weights_xxh64 = XXH64_digest(h.get());
     return result;
   }
   if (I.bf16)

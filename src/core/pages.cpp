@@ -50,12 +50,6 @@ page_array& page_array::operator=(page_array&& other) noexcept {
   return *this;
 }
 
-void page_array::discard(size_t first, size_t n) {
-  CMESH_CHECK_LE(first, size_);
-  CMESH_CHECK_LE(n, size_ - first);
-  discard_pages(data_ + first, n);
-}
-
 void discard_pages(float* p, size_t n) {
   if (n == 0)
     return;

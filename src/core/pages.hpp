@@ -4,7 +4,7 @@
 // use are resident.
 //
 // The memory is an anonymous private mapping: untouched pages cost nothing
-// and read as zero; discard() returns the whole pages inside a range
+// and read as zero; discard_pages() returns the whole pages inside a range
 // (madvise MADV_DONTNEED) and zeroes the rest of the range, so afterwards
 // the range reads as zero and only its edges (at most two pages) stay
 // resident.
@@ -34,11 +34,6 @@ public:
   const float& operator[](size_t i) const { return data_[i]; }
   float* begin() { return data_; }
   float* end() { return data_ + size_; }
-
-  /// Elements [first, first + n) read as zero afterwards; their whole pages
-  /// go back to the operating system.
-  void discard(size_t first, size_t n);
-  void discard() { discard(0, size_); }
 
 private:
   float* data_ = nullptr;
