@@ -4,6 +4,7 @@
 #include <csignal>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 using namespace cmesh;
 using namespace cmesh::testing;
@@ -35,32 +36,38 @@ down_report parse_down(const wire::report& r) {
 
 } // namespace
 
-TEST_CASE("100,000 small messages arrive in order") {
+namespace {
+
+/// Runs `scenario` on 2 and then 4 nodes; every rank must report `key` with
+/// the value `expected`, and every node exit 0.
+void every_rank_reports(const std::vector<std::string>& scenario, const std::string& key,
+                        const std::string& expected) {
   for (uint32_t n : {2u, 4u}) {
     CAPTURE(n);
     node_harness h(n);
-    h.spawn_all("cmesh_test_node", {"order", "100000"});
+    h.spawn_all("cmesh_test_node", scenario);
     for (uint32_t r = 0; r < n; ++r) {
-      auto rep = h.report(r, "order");
+      auto rep = h.report(r, key);
       REQUIRE(rep);
-      CHECK(rep->value == "ok 100000");
+      CHECK(rep->value == expected);
     }
     all_exit_zero(h);
   }
 }
 
+} // namespace
+
+TEST_CASE("100,000 small messages arrive in order") {
+  every_rank_reports({"order", "100000"}, "order", "ok 100000");
+}
+
+TEST_CASE("actors run on the transport thread: 100,000 messages and their acks in order") {
+  every_rank_reports({"inline", "100000"}, "inline", "ok 100000 / ok 100000");
+}
+
 TEST_CASE("a 256 MiB payload arrives intact") {
-  for (uint32_t n : {2u, 4u}) {
-    CAPTURE(n);
-    node_harness h(n);
-    h.spawn_all("cmesh_test_node", {"payload", std::to_string(256u << 20)});
-    for (uint32_t r = 0; r < n; ++r) {
-      auto rep = h.report(r, "payload");
-      REQUIRE(rep);
-      CHECK(rep->value == "ok " + std::to_string(256u << 20));
-    }
-    all_exit_zero(h);
-  }
+  every_rank_reports({"payload", std::to_string(256u << 20)}, "payload",
+                     "ok " + std::to_string(256u << 20));
 }
 
 namespace {

@@ -8,6 +8,9 @@
 //                                          check the survivors still answer
 //   cmesh_test_node flood                  rank 0 floods rank 1 (stopped by
 //                                          the test) until it is fenced
+//   cmesh_test_node inline  <messages>     as order, with both ends published
+//                                          with mesh::dispatch::transport and
+//                                          every message acknowledged
 #include "core/env.hpp"
 #include "transport/join.hpp"
 #include "transport/mesh.hpp"
@@ -85,6 +88,75 @@ int run_order(context& c, uint64_t count) {
   }
   c.report("order", f.get());
   return 0;
+}
+
+// -- inline ----------------------------------------------------------------------
+
+// Every rank's "source" streams `count` messages to the "isink" of rank+1
+// with a window of 256 unacknowledged ones; the sink checks their order and
+// acknowledges each. Both are run on the transport's data thread: the sink's
+// acks and the source's later messages are sent from there, the source's
+// first window from a CAF worker, so the order check covers a sender that
+// changes threads; bursts of acks larger than mesh::inline_burst_max are
+// handed back to the scheduler midway.
+int run_inline(context& c, uint64_t count) {
+  constexpr uint64_t window = 256;
+  std::promise<std::string> sunk, acked;
+  auto sink = spawn_event_based(*c.sys, [&sunk, count](caf::event_based_actor* self) -> caf::behavior {
+    auto next = std::make_shared<uint64_t>(0);
+    return {[=, &sunk](const wire::sequenced& m) {
+      if (*next > count)
+        return;
+      if (m.seq != *next) {
+        sunk.set_value("out of order: expected " + std::to_string(*next) + " got "
+                       + std::to_string(m.seq));
+        *next = count + 1;
+        return;
+      }
+      self->send(caf::actor_cast<caf::actor>(self->current_sender()), wire::ack{m.seq, 0});
+      if (++*next == count)
+        sunk.set_value("ok " + std::to_string(count));
+    }};
+  });
+  auto dst = c.m->remote((c.rank + 1) % c.size, "isink");
+  auto source = spawn_event_based(*c.sys, [&acked, count, dst](caf::event_based_actor* self)
+                                    -> caf::behavior {
+    auto sent = std::make_shared<uint64_t>(0);
+    auto next_ack = std::make_shared<uint64_t>(0);
+    auto pump = [=] {
+      while (*sent < count && *sent < *next_ack + window)
+        self->send(dst, wire::sequenced{0, (*sent)++, 0});
+    };
+    return {[=](caf::atom_value) { pump(); },
+            [=, &acked](const wire::ack& a) {
+              if (*next_ack > count)
+                return;
+              if (a.seq != *next_ack) {
+                acked.set_value("ack out of order: expected " + std::to_string(*next_ack)
+                                + " got " + std::to_string(a.seq));
+                *next_ack = count + 1;
+                return;
+              }
+              if (++*next_ack == count) {
+                acked.set_value("ok " + std::to_string(count));
+                return;
+              }
+              pump();
+            }};
+  });
+  c.m->publish("isink", sink, mesh::dispatch::transport);
+  c.m->publish("source", source, mesh::dispatch::transport);
+  c.start();
+  c.report("ready", "");
+  caf::anon_send(source, caf::atom("go"));
+  auto s = sunk.get_future();
+  auto a = acked.get_future();
+  auto ok = s.wait_for(120s) == std::future_status::ready
+            && a.wait_for(60s) == std::future_status::ready;
+  c.report("inline", ok ? s.get() + " / " + a.get() : "timeout");
+  for (auto& actor : {sink, source})
+    caf::anon_send_exit(actor, caf::exit_reason::user_shutdown);
+  return ok ? 0 : 1;
 }
 
 // -- payload ---------------------------------------------------------------------
@@ -237,7 +309,7 @@ int run_survive(context& c, std::set<uint32_t> victims) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: cmesh_test_node order|payload|survive ARGS\n");
+    std::fprintf(stderr, "usage: cmesh_test_node order|inline|payload|flood|survive ARGS\n");
     return 2;
   }
   std::string scenario = argv[1];
@@ -258,6 +330,8 @@ int main(int argc, char** argv) {
       rc = run_order(c, argc > 2 ? std::stoull(argv[2]) : 100000);
     } else if (scenario == "payload") {
       rc = run_payload(c, argc > 2 ? std::stoull(argv[2]) : (size_t{256} << 20));
+    } else if (scenario == "inline") {
+      rc = run_inline(c, argc > 2 ? std::stoull(argv[2]) : 100000);
     } else if (scenario == "flood") {
       rc = run_flood(c);
     } else if (scenario == "survive") {

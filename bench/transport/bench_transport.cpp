@@ -27,7 +27,10 @@
 // one table with the ratios, then `cmesh transport lat_us X`-style lines.
 //
 // Knobs (environment of the driver): CMESH_BENCH_CONFIGS (SPIN_US:POLL list,
-// POLL = cv | default | frames; "50:frames,50:cv,1000:cv,50:default"),
+// POLL = cv | default | frames | inline: the actors published with
+// mesh::dispatch::transport, run on the data thread;
+// "50:frames,50:inline,50:cv,1000:cv,50:default"),
+// CMESH_BENCH_ROUNDS (3: cmesh runs and anchor repeated, medians shown),
 // CMESH_BENCH_LAT_ITERS (20000),
 // CMESH_BENCH_LAT_WARMUP (2000), CMESH_BENCH_BW_MSGS (500), CMESH_BENCH_BW_WARMUP
 // (16), CMESH_BENCH_WINDOW (16), CMESH_BENCH_CAF_BW_MSGS (100),
@@ -44,6 +47,7 @@
 
 #include <caf/all.hpp>
 #include <caf/io/all.hpp>
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <signal.h>
@@ -94,6 +98,10 @@ struct params {
   uint64_t bw_msgs = env_u64("CMESH_BENCH_BW_MSGS", 500);
   uint64_t caf_bw_msgs = env_u64("CMESH_BENCH_CAF_BW_MSGS", 100);
   uint64_t window = env_u64("CMESH_BENCH_WINDOW", 16);
+  /// The cmesh pairs and the raw UCX anchor run this many times, one after
+  /// the other, and the table shows each figure's median: this machine is
+  /// shared, and one run of either can land in someone else's busy second.
+  uint64_t rounds = env_u64("CMESH_BENCH_ROUNDS", 3);
   /// Each measurement stops early after this long (a slow path must not make
   /// the whole benchmark slow); the figures say how many messages counted.
   int64_t cap_ns = static_cast<int64_t>(env_u64("CMESH_BENCH_TIME_CAP_S", 2)) * 1'000'000'000;
@@ -483,6 +491,9 @@ int cmesh_node(const std::string& mode) {
   caf::actor_system_config cfg;
   configure_scheduler(cfg);
   caf::actor_system sys{cfg};
+  const auto how = env_string("CMESH_BENCH_DISPATCH").value_or("scheduled") == "transport"
+                     ? mesh::dispatch::transport
+                     : mesh::dispatch::scheduled;
   int rc = 0;
   {
     mesh m(sys, *j->net);
@@ -500,8 +511,8 @@ int cmesh_node(const std::string& mode) {
                      wire::ack{b.seq, b.payload.size()});
         }};
       });
-      m.publish("echo", echo);
-      m.publish("sink", sink);
+      m.publish("echo", echo, how);
+      m.publish("sink", sink, how);
       mine = {echo, sink};
     }
     if (auto e = j->net->start()) {
@@ -520,6 +531,7 @@ int cmesh_node(const std::string& mode) {
         // client, or the replies would find it gone.
         auto client = sys.spawn(
           [=](caf::event_based_actor* self) { return behavior_fn(self, dst, p, done); });
+        m.publish(std::string("client_") + peer, client, how);
         auto o = await(f, limit, peer);
         caf::anon_send_exit(client, caf::exit_reason::user_shutdown);
         if (!o.error.empty() && error.empty())
@@ -756,9 +768,10 @@ int reap_all(std::vector<child_process>& kids, std::chrono::milliseconds limit) 
   return killed;
 }
 
-/// One cmesh pair with CMESH_SPIN_US = spin_us and CMESH_BENCH_CAF_POLL =
-/// poll; results or an error text.
-outcome run_cmesh(int64_t spin_us, const std::string& poll, const std::string& mode) {
+/// One cmesh pair with CMESH_SPIN_US = spin_us, CMESH_BENCH_CAF_POLL = poll
+/// and CMESH_BENCH_DISPATCH = dispatch; results or an error text.
+outcome run_cmesh(int64_t spin_us, const std::string& poll, const std::string& mode,
+                  const std::string& dispatch) {
   coordinator coord({"127.0.0.1", 0, 2});
   if (auto e = coord.start())
     return {"coordinator: " + describe(e), {}};
@@ -777,7 +790,8 @@ outcome run_cmesh(int64_t spin_us, const std::string& poll, const std::string& m
        {"CMESH_RANK", std::to_string(r)},
        {"CMESH_WORLD_SIZE", "2"},
        {"CMESH_SPIN_US", std::to_string(spin_us)},
-       {"CMESH_BENCH_CAF_POLL", poll}},
+       {"CMESH_BENCH_CAF_POLL", poll},
+       {"CMESH_BENCH_DISPATCH", dispatch}},
       &err);
     if (c.pid() <= 0) {
       cleanup();
@@ -923,6 +937,50 @@ ucx_anchor run_ucx() {
   return a;
 }
 
+/// Each key's median over the runs that measured it; the first error.
+results median_values(const std::vector<const results*>& runs) {
+  std::map<std::string, std::vector<double>> all;
+  for (auto* r : runs)
+    for (auto& [k, v] : *r)
+      if (std::isfinite(v))
+        all[k].push_back(v);
+  results out;
+  for (auto& [k, v] : all) {
+    std::sort(v.begin(), v.end());
+    auto n = v.size();
+    out[k] = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  }
+  return out;
+}
+
+/// A run (outcome, ucx_anchor) whose values are the medians of `runs` and
+/// whose error is their first.
+template <class Run>
+Run median_run(const std::vector<Run>& runs) {
+  Run out;
+  std::vector<const results*> vals;
+  for (auto& r : runs) {
+    vals.push_back(&r.values);
+    if (out.error.empty())
+      out.error = r.error;
+  }
+  out.values = median_values(vals);
+  return out;
+}
+
+outcome median_of(const std::vector<outcome>& runs) {
+  return median_run(runs);
+}
+
+ucx_anchor median_of(const std::vector<ucx_anchor>& runs) {
+  auto a = median_run(runs);
+  for (auto& [k, v] : a.values) // "plain tag_lat_us" -> "ucx plain tag_lat_us X"
+    a.lines.push_back(fmt::format("ucx {} {:.3f}", k, v));
+  if (a.values.empty() && a.error.empty())
+    a.error = "no anchor run";
+  return a;
+}
+
 std::optional<double> get(const results& r, const std::string& key) {
   auto i = r.find(key);
   if (i == r.end() || !std::isfinite(i->second))
@@ -955,18 +1013,26 @@ struct cmesh_config {
   int64_t spin_us = 50;
   std::string poll = "cv";
   bool frames() const { return poll == "frames"; }
+  /// Actors published with mesh::dispatch::transport (CAF scheduler "cv").
+  bool on_lane() const { return poll == "inline"; }
+  /// The CAF scheduler setting of the run.
+  std::string caf_poll() const { return frames() || on_lane() ? "cv" : poll; }
   std::string name() const {
-    return frames() ? "frames_spin" + spin_label(spin_us)
-                    : "spin" + spin_label(spin_us) + "_caf" + poll;
+    return frames()    ? "frames_spin" + spin_label(spin_us)
+           : on_lane() ? "spin" + spin_label(spin_us) + "_inline"
+                       : "spin" + spin_label(spin_us) + "_caf" + poll;
   }
-  std::string what() const { return frames() ? "no actors" : "caf " + poll; }
+  std::string what() const {
+    return frames() ? "no actors" : on_lane() ? "on transport" : "caf " + poll;
+  }
 };
 
-/// CMESH_BENCH_CONFIGS: comma-separated SPIN_US:POLL, POLL = cv | default | frames.
+/// CMESH_BENCH_CONFIGS: comma-separated SPIN_US:POLL, POLL = cv | default |
+/// frames | inline (actors dispatched on the transport's data thread).
 std::vector<cmesh_config> cmesh_configs() {
   std::vector<cmesh_config> out;
   std::istringstream in(
-    env_string("CMESH_BENCH_CONFIGS").value_or("50:frames,50:cv,1000:cv,50:default"));
+    env_string("CMESH_BENCH_CONFIGS").value_or("50:frames,50:inline,50:cv,1000:cv,50:default"));
   std::string item;
   while (std::getline(in, item, ',')) {
     if (item.empty())
@@ -976,7 +1042,7 @@ std::vector<cmesh_config> cmesh_configs() {
     c.spin_us = std::atoll(item.substr(0, colon).c_str());
     if (colon != std::string::npos) {
       auto poll = item.substr(colon + 1);
-      c.poll = poll == "default" || poll == "frames" ? poll : "cv";
+      c.poll = poll == "default" || poll == "frames" || poll == "inline" ? poll : "cv";
     }
     out.push_back(c);
   }
@@ -1012,38 +1078,54 @@ int driver() {
   std::printf("  every measurement stops after %.1f s (a latency warm-up after %.1f s): slow "
               "configurations count fewer messages\n",
               static_cast<double>(p.cap_ns) / 1e9, static_cast<double>(p.cap_ns) / 3e9);
+  std::printf("  %llu rounds of the cmesh runs and the raw UCX anchor, one after the other: every "
+              "figure is the median over the rounds (CAF: one round)\n",
+              static_cast<unsigned long long>(p.rounds));
   std::printf("  CAF scheduler: 2 workers; 'caf cv' = idle workers wait on a condition variable "
               "(work-stealing.moderate-poll-attempts=0), 'caf default' = CAF's 50 us sleep polling\n");
   std::fflush(stdout);
   int failures = 0;
 
-  std::vector<outcome> cm;
-  for (auto& c : configs) {
+  // Rounds: every cmesh configuration, then the raw UCX anchor, again and
+  // again; each figure is the median over the rounds.
+  std::vector<std::vector<outcome>> cm_rounds(configs.size());
+  std::vector<ucx_anchor> ucx_rounds;
+  for (uint64_t round = 1; round <= p.rounds; ++round) {
+    for (size_t i = 0; i < configs.size(); ++i) {
+      auto& c = configs[i];
+      auto t0 = mono_ns();
+      cm_rounds[i].push_back(run_cmesh(c.spin_us, c.caf_poll(), c.frames() ? "frames" : "all",
+                                       c.on_lane() ? "transport" : "scheduled"));
+      note_run("round " + std::to_string(round) + ": cmesh, CMESH_SPIN_US="
+                 + std::to_string(c.spin_us) + ", " + c.what(),
+               seconds_since(t0), cm_rounds[i].back());
+      failures += !cm_rounds[i].back().error.empty();
+    }
+    if (env_flag("CMESH_BENCH_SKIP_UCX"))
+      continue;
     auto t0 = mono_ns();
-    cm.push_back(run_cmesh(c.spin_us, c.frames() ? "cv" : c.poll, c.frames() ? "frames" : "all"));
-    note_run("cmesh, CMESH_SPIN_US=" + std::to_string(c.spin_us) + ", " + c.what(),
-             seconds_since(t0), cm.back());
-    failures += !cm.back().error.empty();
+    ucx_rounds.push_back(run_ucx());
+    std::printf("  round %llu: raw UCX anchor: %.1f s%s%s\n",
+                static_cast<unsigned long long>(round), seconds_since(t0),
+                ucx_rounds.back().error.empty() ? "" : ", ", ucx_rounds.back().error.c_str());
   }
+  std::vector<outcome> cm;
+  for (auto& runs : cm_rounds)
+    cm.push_back(median_of(runs));
   // CAF's TCP middleman under every scheduler setting the cmesh runs used.
   std::map<std::string, outcome> caf;
   for (auto& c : configs) {
-    if (c.frames() || caf.count(c.poll) || env_flag("CMESH_BENCH_SKIP_CAF"))
+    if (c.frames() || caf.count(c.caf_poll()) || env_flag("CMESH_BENCH_SKIP_CAF"))
       continue;
+    auto poll = c.caf_poll();
     auto t0 = mono_ns();
-    caf[c.poll] = run_caf(c.poll, "all");
-    note_run("CAF TCP middleman, caf " + c.poll, seconds_since(t0), caf[c.poll]);
-    failures += !caf[c.poll].error.empty();
+    caf[poll] = run_caf(poll, "all");
+    note_run("CAF TCP middleman, caf " + poll, seconds_since(t0), caf[poll]);
+    failures += !caf[poll].error.empty();
   }
-  ucx_anchor ucx;
-  if (env_flag("CMESH_BENCH_SKIP_UCX")) {
-    ucx.error = "anchor skipped (CMESH_BENCH_SKIP_UCX=1)";
-  } else {
-    auto t0 = mono_ns();
-    ucx = run_ucx();
-    std::printf("  raw UCX anchor: %.1f s%s%s\n", seconds_since(t0),
-                ucx.error.empty() ? "" : ", ", ucx.error.c_str());
-  }
+  ucx_anchor ucx = env_flag("CMESH_BENCH_SKIP_UCX")
+                     ? ucx_anchor{"anchor skipped (CMESH_BENCH_SKIP_UCX=1)", {}, {}}
+                     : median_of(ucx_rounds);
   // ucx_perftest reports MB/s with MB = 2^20 bytes, and the anchor divides
   // that by 1000: its "GBps" are 1.048576e9 bytes/s. The table uses 1e9.
   constexpr double anchor_gb = 1.048576;
@@ -1059,8 +1141,8 @@ int driver() {
   };
   std::vector<std::string> polls; // CAF columns, in first-use order
   for (auto& c : configs)
-    if (!c.frames() && std::find(polls.begin(), polls.end(), c.poll) == polls.end())
-      polls.push_back(c.poll);
+    if (!c.frames() && std::find(polls.begin(), polls.end(), c.caf_poll()) == polls.end())
+      polls.push_back(c.caf_poll());
 
   // -- the table: values, then ratio columns (one per cmesh configuration) --
   auto lat_plain = ucx_get("plain tag_lat_us");
@@ -1125,7 +1207,7 @@ int driver() {
     out += " " + pad(k == kind::lat ? "<= 3" : k == kind::bw ? ">= 0.8" : "", w) + " |";
     for (size_t i = 0; i < cm.size(); ++i) {
       auto mine = get(cm[i].values, key);
-      auto theirs = caf_get(configs[i].poll, key);
+      auto theirs = caf_get(configs[i].caf_poll(), key);
       auto r = k == kind::lat ? ratio(theirs, mine) : ratio(mine, theirs);
       out += " " + pad(k == kind::other || configs[i].frames() ? "" : fmt_num(r, 1), w);
     }
@@ -1184,9 +1266,9 @@ int driver() {
     if (configs[i].frames())
       continue;
     std::printf("ratio %s caf_over_cmesh_lat %s\n", name.c_str(),
-                fmt_num(ratio(caf_get(configs[i].poll, "lat_us"), lat), 3).c_str());
+                fmt_num(ratio(caf_get(configs[i].caf_poll(), "lat_us"), lat), 3).c_str());
     std::printf("ratio %s cmesh_over_caf_bw %s\n", name.c_str(),
-                fmt_num(ratio(bw, caf_get(configs[i].poll, "bw_GBps")), 3).c_str());
+                fmt_num(ratio(bw, caf_get(configs[i].caf_poll(), "bw_GBps")), 3).c_str());
   }
   if (env_flag("CMESH_BENCH_VERBOSE")) {
     for (size_t i = 0; i < cm.size(); ++i)

@@ -10,17 +10,71 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <caf/execution_unit.hpp>
+#include <caf/resumable.hpp>
+#include <caf/scheduler/abstract_coordinator.hpp>
+
 #include <atomic>
+#include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace cmesh {
+
+namespace {
+
+/// The execution unit of the transport's data thread. A frame that unblocks
+/// an actor published with dispatch::transport hands it here (CAF passes
+/// the unit given to enqueue on to exec_later), and it runs right away on
+/// this thread; any other actor goes to CAF's scheduler as usual.
+class lane_unit final : public caf::execution_unit {
+public:
+  lane_unit(caf::actor_system& sys, std::function<bool(caf::resumable*)> runs_here)
+      : caf::execution_unit(&sys), runs_here_(std::move(runs_here)) {}
+
+  void exec_later(caf::resumable* job) override {
+    if (runs_here_(job))
+      ready_.push_back(job);
+    else
+      system().scheduler().enqueue(job);
+  }
+
+  /// Runs what became ready, as CAF's workers do: each job holds the
+  /// reference its enqueue added.
+  void run() {
+    while (!ready_.empty()) {
+      auto* job = ready_.front();
+      ready_.pop_front();
+      switch (job->resume(this, mesh::inline_burst_max)) {
+        case caf::resumable::resume_later:
+          // Still has mail after a burst: the scheduler takes the rest, so a
+          // flood cannot hold the data thread.
+          system().scheduler().enqueue(job);
+          break;
+        case caf::resumable::awaiting_message:
+        case caf::resumable::done:
+        case caf::resumable::shutdown_execution_unit:
+          intrusive_ptr_release(job);
+          break;
+      }
+    }
+  }
+
+private:
+  std::function<bool(caf::resumable*)> runs_here_;
+  std::deque<caf::resumable*> ready_;
+};
+
+} // namespace
 
 struct mesh::core : std::enable_shared_from_this<mesh::core> {
   caf::actor_system& sys;
   transport& net;
   std::atomic<uint64_t> epoch{0};
+  lane_unit unit; // used on the data thread only
 
   mutable std::mutex mtx;
   std::unordered_map<std::string, caf::actor> published;
@@ -28,10 +82,20 @@ struct mesh::core : std::enable_shared_from_this<mesh::core> {
   std::unordered_map<std::string, caf::actor_addr> auto_named; // weak: repliable senders
   std::map<std::pair<uint32_t, std::string>, caf::strong_actor_ptr> proxies;
   std::map<uint32_t, caf::error> fenced;
+  std::unordered_set<caf::actor_id> run_inline; // published with dispatch::transport
 
   std::atomic<uint64_t> forwarded{0}, delivered{0}, unsendable{0}, send_failures{0};
 
-  core(caf::actor_system& s, transport& t) : sys(s), net(t) {}
+  core(caf::actor_system& s, transport& t)
+      : sys(s), net(t), unit(s, [this](caf::resumable* job) { return runs_inline(job); }) {}
+
+  bool runs_inline(caf::resumable* job) {
+    auto* a = dynamic_cast<caf::abstract_actor*>(job);
+    if (a == nullptr)
+      return false;
+    std::lock_guard<std::mutex> g(mtx);
+    return run_inline.count(a->id()) != 0;
+  }
 
   std::string name_of(const caf::strong_actor_ptr& sender);
   caf::actor local(const std::string& name);
@@ -185,8 +249,9 @@ void mesh::core::deliver(inbound_frame&& f) {
     auto src = proxy_for(f.from, f.header.src_actor);
     dst->enqueue(caf::make_mailbox_element(std::move(src), caf::make_message_id(), {},
                                            std::move(*m)),
-                 nullptr);
+                 &unit);
     ++delivered;
+    unit.run();
   });
   if (!known)
     wire::note_reject(make_error(errc::unknown_kind, std::string("kind ")
@@ -237,11 +302,15 @@ mesh::~mesh() {
       ->kill_proxy(nullptr, make_error(errc::closed, "mesh shut down"));
 }
 
-void mesh::publish(const std::string& name, const caf::actor& a) {
+void mesh::publish(const std::string& name, const caf::actor& a, dispatch how) {
   CMESH_CHECK(!name.empty() && name.size() <= wire::actor_name_max && name[0] != '@');
   std::lock_guard<std::mutex> g(core_->mtx);
   core_->published[name] = a;
   core_->names_by_id[a.id()] = name;
+  if (how == dispatch::transport)
+    core_->run_inline.insert(a.id());
+  else
+    core_->run_inline.erase(a.id());
 }
 
 caf::actor mesh::remote(uint32_t rank, const std::string& name) {

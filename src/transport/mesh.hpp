@@ -54,8 +54,24 @@ public:
   mesh(const mesh&) = delete;
   mesh& operator=(const mesh&) = delete;
 
+  /// Where the messages that arrive for a published actor are run.
+  enum class dispatch {
+    /// Put into its mailbox; CAF's scheduler runs it on one of its workers.
+    scheduled,
+    /// Run at once on the transport's data thread, as the frame is decoded,
+    /// and its sends to other processes posted from there: no thread is
+    /// woken on either side, which removes most of a round trip's latency.
+    /// The actor's handlers must be short and must never block (the data
+    /// thread stalls meanwhile). Messages from local actors still reach it
+    /// through CAF's scheduler, and a flood is handed back to the scheduler
+    /// after `inline_burst_max` messages.
+    transport,
+  };
+  static constexpr size_t inline_burst_max = 64;
+
   /// Makes a local actor reachable from other processes under `name`.
-  void publish(const std::string& name, const caf::actor& a);
+  void publish(const std::string& name, const caf::actor& a,
+               dispatch how = dispatch::scheduled);
 
   /// Handle to actor `name` in process `rank` (the local actor itself when
   /// rank is this process).

@@ -175,6 +175,7 @@ struct recv_slot {
   bool frame_done = false;
   bool decoded = false;
   bool bulk_done = false;
+  bool pull_posted = false;
   bool failed = false;
   caf::error error;
   wire::frame_header header;
@@ -302,6 +303,19 @@ expected<std::pair<wire::bytes, wire::bytes>> unpack_addresses(const wire::bytes
                         wire::bytes(b.begin() + 4 + n, b.end()));
 }
 
+/// A spin-wait hint: lets the sibling hyperthread run and saves power.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+/// The transport whose data lane runs on this thread (null elsewhere): a
+/// send from that thread posts directly instead of queueing for itself.
+thread_local const void* data_lane_owner = nullptr;
+
 } // namespace
 
 struct transport::impl {
@@ -362,12 +376,14 @@ struct transport::impl {
   // -- data lane -----------------------------------------------------------------
   void run_data();
   bool drain_commands();
+  caf::error send_on_lane(peer_state& p, command&& c);
   void flush_pending();
   void post_send(peer_state& p, command&& c);
   bool poll_frames();
   void accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
   void discard(ucp_worker_h w, ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
-  void decode_frame_in(peer_state& p, recv_slot& s, const slot_ptr& owner);
+  void decode_frame_in(peer_state& p, recv_slot& s);
+  void post_pull(peer_state& p, recv_slot& s, const slot_ptr& owner);
   void advance_inbox(peer_state& p);
   void apply_failures();
   void fail(uint32_t rank, const caf::error& reason);
@@ -388,13 +404,16 @@ expected<transport_options> transport_options::from_env(transport_options d) {
             && env_override("CMESH_CONNECT_TIMEOUT_MS", d.connect_timeout_ms, err)
             && env_override("CMESH_SEND_QUEUE_MAX", d.send_queue_max, err)
             && env_override("CMESH_SPIN_US", d.spin_us, err)
+            && env_override("CMESH_SPIN_HOT_US", d.spin_hot_us, err)
+            && env_override("CMESH_PULLS_PER_PEER", d.pulls_per_peer_max, err)
             && env_override("CMESH_SEND_BLOCK_MS", d.send_block_ms, err);
   if (!ok)
     return make_error(errc::invalid_argument, err);
   if (d.heartbeat_interval_ms <= 0 || d.heartbeat_timeout_ms <= d.heartbeat_interval_ms)
     return make_error(errc::invalid_argument,
                       "heartbeat timeout must exceed a positive heartbeat interval");
-  if (d.send_queue_max <= 0 || d.inflight_per_peer_max <= 0 || d.spin_us < 0
+  if (d.send_queue_max <= 0 || d.inflight_per_peer_max <= 0 || d.pulls_per_peer_max <= 0
+      || d.spin_us < 0 || d.spin_hot_us < 0
       || d.send_block_ms < 0 || d.connect_timeout_ms <= 0)
     return make_error(errc::invalid_argument, "transport bounds must be positive");
   return d;
@@ -494,6 +513,8 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
   }
   if (impl_->stopped)
     return make_error(errc::closed, "transport is stopped");
+  if (data_lane_owner == impl_.get())
+    return impl_->send_on_lane(*p, command{peer, std::move(frame), std::move(payload)});
   {
     std::unique_lock<std::mutex> g(impl_->queue_mtx);
     auto full = [&] {
@@ -616,6 +637,7 @@ caf::error transport::impl::create_endpoint(lane& l, ucp_ep_h* out, peer_state& 
 // -- impl: data lane -------------------------------------------------------------
 
 void transport::impl::run_data() {
+  data_lane_owner = this;
   int64_t idle_since = mono_ns();
   while (running.load(std::memory_order_relaxed)) {
     bool activity = drain_commands();
@@ -637,6 +659,10 @@ void transport::impl::run_data() {
     auto now = mono_ns();
     if (activity) {
       idle_since = now;
+      continue;
+    }
+    if (now - idle_since < opts.spin_hot_us * 1000) {
+      cpu_relax();
       continue;
     }
     if (now - idle_since < opts.spin_us * 1000) {
@@ -673,6 +699,38 @@ bool transport::impl::drain_commands() {
     }
   }
   return true;
+}
+
+caf::error transport::impl::send_on_lane(peer_state& p, command&& c) {
+  // A handler on this thread (a frame handler, an actor dispatched here by
+  // the mesh) sends: post at once, after whatever other threads queued
+  // before (the order between one pair of actors holds even when an actor
+  // runs here one time and on a CAF worker the next). Waiting on space_cv
+  // would wait for this very thread; make room by progressing instead.
+  drain_commands();
+  const int64_t deadline = mono_ns() + opts.send_block_ms * 1'000'000;
+  while (pending_frames.load(std::memory_order_relaxed) >= opts.send_queue_max && p.alive
+         && !stopped) {
+    if (mono_ns() > deadline) {
+      ++counters.refused;
+      return make_error(errc::queue_full, "send queue holds " + std::to_string(opts.send_queue_max)
+                                            + " frames after progressing "
+                                            + std::to_string(opts.send_block_ms) + " ms");
+    }
+    ucp_worker_progress(data.worker());
+    flush_pending();
+  }
+  if (!p.alive) {
+    ++counters.refused;
+    return make_error(errc::peer_lost, "rank " + std::to_string(p.rank) + " is fenced");
+  }
+  if (p.inflight.load() >= opts.inflight_per_peer_max || !p.pending.empty()) {
+    p.pending.push_back(std::move(c));
+    ++pending_frames;
+  } else {
+    post_send(p, std::move(c));
+  }
+  return {};
 }
 
 void transport::impl::flush_pending() {
@@ -745,7 +803,7 @@ void transport::impl::accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_inf
   p->inbox.push_back(std::move(slot));
 }
 
-void transport::impl::decode_frame_in(peer_state& p, recv_slot& s, const slot_ptr& owner) {
+void transport::impl::decode_frame_in(peer_state& p, recv_slot& s) {
   auto v = wire::decode_frame(s.bytes);
   if (!v) {
     s.failed = true;
@@ -767,8 +825,12 @@ void transport::impl::decode_frame_in(peer_state& p, recv_slot& s, const slot_pt
   s.header = std::move(v->header);
   s.body_offset = s.bytes.size() - v->body.size();
   s.decoded = true;
-  if (s.header.bulk_len == 0)
-    return;
+}
+
+void transport::impl::post_pull(peer_state& p, recv_slot& s, const slot_ptr& owner) {
+  s.pull_posted = true;
+  // Taken from the pool only now: the buffer a consumer released a moment
+  // ago comes back, still mapped and likely still in cache.
   s.payload = bulk::allocate(s.header.bulk_len);
   ucp_request_param_t prm{};
   prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -781,11 +843,19 @@ void transport::impl::decode_frame_in(peer_state& p, recv_slot& s, const slot_pt
 }
 
 void transport::impl::advance_inbox(peer_state& p) {
-  // Decode every arrived frame (so payload pulls start early), then deliver
-  // from the front, in order.
-  for (auto& s : p.inbox)
+  // Decode every arrived frame and start the payload pulls of the first
+  // opts.pulls_per_peer_max that have one, in order; then deliver from the
+  // front, in order.
+  int pulling = 0;
+  for (auto& s : p.inbox) {
     if (s->frame_done && !s->decoded && !s->failed)
-      decode_frame_in(p, *s, s);
+      decode_frame_in(p, *s);
+    if (!s->decoded || s->failed || s->header.bulk_len == 0 || s->bulk_done)
+      continue;
+    if (!s->pull_posted && pulling < opts.pulls_per_peer_max)
+      post_pull(p, *s, s);
+    pulling += s->pull_posted ? 1 : 0;
+  }
   while (!p.inbox.empty() && p.inbox.front()->ready()) {
     auto s = std::move(p.inbox.front());
     p.inbox.pop_front();
