@@ -5,9 +5,11 @@
 //  2. Catch-up of a restarted group by model size: time from its catch-up
 //     assignment to its admission, and the snapshot's transfer rate beside
 //     this machine's memcpy rate, measured in the same run.
-//  3. The survivors' stall while they serve a catch-up: their step rate
-//     between the catch-up's start and the joiner's admission, against their
-//     rate just before it.
+//  3. The survivors' stall while they serve a catch-up: rank 0's step times
+//     between the catch-up's assignment and the joiner's admission, against
+//     its step times alone before the restart, at 2x1 (the joiner on a core
+//     of its own, as on a spare node) and 2x2 (the restarted group shares
+//     the survivors' cores).
 // Every figure comes from the launcher's JSON-lines event log (CLOCK_MONOTONIC
 // timestamps shared by all processes) and the workers' log lines.
 //
@@ -124,6 +126,8 @@ struct size_case {
   const char* name;
   size_t d_model, ffn, expert_ffn;
   size_t steps;
+  int kill_step;
+  int restart_delay_ms; // long enough for a few steps of the survivors alone
 };
 
 } // namespace
@@ -177,17 +181,24 @@ int main(int argc, char** argv) {
 
   // 2 and 3. Catch-up by model size, and the survivors' stall meanwhile.
   double mem = memcpy_gbps();
-  fmt::print("## catch-up of a restarted group (3x1, one SIGKILL), by model size\n\n");
+  fmt::print("## catch-up of a restarted group, by model size, and the survivors' stall\n\n");
   fmt::print("memcpy on this machine, same run: {:.2f} GB/s\n\n", mem);
-  fmt::print("| model | catch-up nice | params | state MB | assign->admitted ms | snapshot GB/s | "
-             "of memcpy | survivors' step rate during / before | stall | survivors' time lost | "
-             "goal (<10%) |\n"
-             "|---|---|---|---|---|---|---|---|---|---|---|\n");
-  std::vector<size_case> cases = {{"default", 64, 128, 64, 200},
-                                  {"x4 width", 256, 512, 256, 120},
-                                  {"x8 width", 512, 1024, 512, 80}};
+  fmt::print("| layout | model | catch-up nice | params | state MB | assign->admitted ms | "
+             "snapshot GB/s | of memcpy | survivors' step ms: alone / joiner starting / "
+             "serving | stall while serving | time lost serving | goal (<10%) |\n"
+             "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<size_case> cases = {{"default", 64, 128, 64, 200, 8, 1500},
+                                  {"x4 width", 256, 512, 256, 70, 4, 2500},
+                                  {"x8 width", 512, 1024, 512, 26, 3, 4500}};
   if (quick)
     cases.resize(2);
+  // 2x1: the joiner has a core of its own, as a spare node would; 2x2: the
+  // restarted group's two processes share the survivors' two cores.
+  struct layout {
+    int n, replicas;
+    uint32_t victim; // a rank of the group that is killed; rank 0 survives and prints
+  };
+  for (auto lay : {layout{2, 2, 1}, layout{4, 2, 3}})
   // Each case twice: catch-up threads at normal priority, then 10 lower
   // (--catchup-nice): on a shared host the catch-up then takes idle cores.
   for (int nice : {0, 10})
@@ -198,51 +209,79 @@ int main(int argc, char** argv) {
       f << "[model]\nd_model = " << c.d_model << "\nffn = " << c.ffn
         << "\nexpert_ffn = " << c.expert_ffn << "\n";
     }
-    auto r = launch(fmt::format("-n 3 --config {} --steps {} --log-every 1000 "
-                                "--restart-delay-ms 2000 --chaos kill@8:1 --catchup-nice {}",
-                                cfg, c.steps, nice));
+    const auto lname = fmt::format("{}x{}", lay.replicas, lay.n / lay.replicas);
+    auto r = launch(fmt::format("-n {} --replicas {} --config {} --steps {} --log-every 1 "
+                                "--restart-delay-ms {} --chaos kill@{}:{} --catchup-nice {}",
+                                lay.n, lay.replicas, cfg, c.steps, c.restart_delay_ms, c.kill_step,
+                                lay.victim, nice));
     std::remove(cfg.c_str());
     std::smatch m;
     double mb = NAN, secs = NAN;
     if (std::regex_search(r.output, m, std::regex("snapshot of step [0-9]+ sent to rank [0-9]+ "
                                                   "\\(([0-9.]+) MB in ([0-9.]+) s")))
       mb = std::stod(m[1].str()), secs = std::stod(m[2].str());
-    const event *fc = nullptr, *cs = nullptr, *join = nullptr;
+    // Rank 0's progress line of every step: "step N ... step X ms".
+    std::map<double, double> step_ms;
+    {
+      std::regex re("(^|\n)step +([0-9]+) .*? step +([0-9.]+) ms");
+      for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
+           it != std::sregex_iterator(); ++it)
+        step_ms[std::stod((*it)[2].str())] = std::stod((*it)[3].str());
+    }
+    const event *fc = nullptr, *restart = nullptr, *cs = nullptr, *join = nullptr;
     for (auto& e : r.events) {
       if (!fc && e.name == "first_commit" && e.num("since_failure_ms") >= 0)
         fc = &e;
+      if (fc && !restart && e.name == "restart")
+        restart = &e;
       if (!cs && e.name == "catchup_start")
         cs = &e;
-      if (cs && !join && e.name == "epoch" && e.field("joined") == "[1]")
+      if (cs && !join && e.name == "epoch" && e.field("joined") != "[]")
         join = &e;
     }
-    if (!fc || !cs || !join) {
-      fmt::print("| {} | {} | - | - | run incomplete (status {}) | | | | | | |\n", c.name, nice,
-                 r.status);
+    // Steps by window: alone (after the failure's first commit, before the
+    // restarted processes exist), the joiner starting (restart to catch-up
+    // assignment), serving (assignment to admission). A step is in the
+    // window its number falls in; the step running at a boundary event
+    // goes to the later window.
+    auto mean_ms = [&](double from, double to) {
+      double sum = 0;
+      int n = 0;
+      for (auto& [k, v] : step_ms)
+        if (k > from && k <= to)
+          sum += v, ++n;
+      return std::pair{n ? sum / n : NAN, n};
+    };
+    if (!fc || !restart || !cs || !join || step_ms.empty()) {
+      fmt::print("| {} | {} | {} | - | - | run incomplete (status {}) | | | | | | |\n", lname,
+                 c.name, nice, r.status);
       continue;
     }
-    double before = (cs->num("step") - fc->num("step")) / (cs->mono_ms - fc->mono_ms) * 1e3;
-    double during = (join->num("step") - cs->num("step")) / (join->mono_ms - cs->mono_ms) * 1e3;
-    double stall = 1.0 - during / before;
-    // The steps the survivors would have done at their earlier rate, less
-    // those they did: the time the catch-up (and the switch to the grown
-    // epoch) cost them.
-    double lost_ms = (join->mono_ms - cs->mono_ms)
-                     - (join->num("step") - cs->num("step")) / before * 1e3;
+    auto [alone, n_alone] = mean_ms(fc->num("step") + 1, restart->num("step"));
+    auto [starting, n_starting] = mean_ms(restart->num("step"), cs->num("step"));
+    auto [serving, n_serving] = mean_ms(cs->num("step"), join->num("step"));
+    double stall = serving / alone - 1.0;
+    double lost_ms = n_serving * (serving - alone);
     double params = mb * 1e6 / 12.0;
     double gbps = mb / 1e3 / secs;
-    fmt::print("| {} | {} | {:.2f} M | {:.1f} | {:.0f} | {:.2f} | {:.2f} | {:.1f} / {:.1f} steps/s | "
-               "{:.1f}% | {:.0f} ms | {} |\n",
-               c.name, nice, params / 1e6, mb, join->mono_ms - cs->mono_ms, gbps, gbps / mem, during,
-               before, 100.0 * stall, lost_ms, stall < 0.10 ? "met" : "MISSED");
+    fmt::print("| {} | {} | {} | {:.2f} M | {:.1f} | {:.0f} | {:.2f} | {:.2f} | {:.1f} ({}) / "
+               "{:.1f} ({}) / {:.1f} ({}) | {:.1f}% | {:.0f} ms | {} |\n",
+               lname, c.name, nice, params / 1e6, mb, join->mono_ms - cs->mono_ms, gbps,
+               gbps / mem, alone, n_alone, starting, n_starting, serving, n_serving,
+               100.0 * stall, lost_ms, stall < 0.10 ? "met" : "MISSED");
   }
-  fmt::print("\nassign->admitted includes the joiner's start-up of its catch-up communicator,\n"
-             "the source's next step boundary and the 500 ms join window. The rate before is\n"
-             "the survivors' between their first commit and the catch-up's start (2 s of\n"
-             "restart delay). On this 2-core machine the joiner's start-up shares the cores\n"
-             "with the survivors, which the stall includes. With --catchup-nice 10 the\n"
-             "threads serving and receiving the catch-up run 10 nice levels lower: the\n"
-             "survivors keep more of the cores, the catch-up takes longer.\n\n");
+  fmt::print(
+    "\nStep times are rank 0's (a survivor and, in 2x2, a catch-up source), means over the\n"
+    "steps in each window (how many in parentheses): alone = after the failure's first\n"
+    "commit until the restart; joiner starting = the restarted processes start up, load\n"
+    "and register; serving = from the catch-up assignment to the admission (snapshot,\n"
+    "streamed updates, the join window). The stall is serving over alone; the time lost\n"
+    "is the serving steps' excess over the alone mean. In 2x1 the joiner runs on the core\n"
+    "the dead rank left, as a spare node would; in 2x2 the restarted group's two\n"
+    "processes share the two cores with the survivors, so the figure there is mostly\n"
+    "oversubscription. assign->admitted includes the source's next step boundary and the\n"
+    "500 ms join window. With --catchup-nice 10 the threads serving and receiving the\n"
+    "catch-up run 10 nice levels lower.\n\n");
 
   fmt::print("## peers, published figures (for scale; other hardware and scale)\n\n");
   fmt::print("| system | figure |\n|---|---|\n");

@@ -2,6 +2,7 @@
 
 #include "core/check.hpp"
 #include "core/env.hpp"
+#include "core/pages.hpp"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -50,11 +51,17 @@ uint64_t catchup_epoch(uint64_t session) {
 /// One joiner this rank serves.
 struct session {
   wire::catchup_assign assign;
+  bool prepared = false;      // buffers allocated and the communicator built
   bool want_snapshot = true;  // until at_boundary copies it
   bool end = false;           // the stream's last update is queued
   bool broken = false;        // cut off, or failed
   uint64_t snap_step = 0;
-  std::vector<float> params, adam_m, adam_v, scalars;
+  /// The snapshot: params, adam_m, adam_v, scalars (train_state's order).
+  std::array<page_array, 4> state;
+  void drop_state() {
+    for (auto& b : state)
+      b = page_array{};
+  }
   std::deque<std::pair<uint64_t, std::vector<float>>> queue;
   std::unique_ptr<coll::communicator> comm; // while sending
   std::thread thread;
@@ -95,6 +102,28 @@ struct agent::impl {
   uint32_t join_source = 0;
   uint64_t join_losses_before = 0;          // lost_count[join_source] when it began
   std::map<uint64_t, session_ptr> sessions; // as source, by session id
+  /// A catch-up context made at start-up, so that neither a source nor a
+  /// joiner creates a UCP context (20-80 ms of CPU on these machines) while
+  /// training runs beside it. Taken by one session at a time, given back
+  /// after a clean end (a failed session's worker may hold a dead peer's
+  /// leftovers, so it is dropped).
+  std::shared_ptr<coll::host_context> spare_catchup_ctx;
+  expected<std::shared_ptr<coll::host_context>> take_catchup_ctx() {
+    {
+      std::lock_guard lk(mu);
+      if (spare_catchup_ctx)
+        return std::exchange(spare_catchup_ctx, nullptr);
+    }
+    return coll::host_context::create(o.rank, coll::bulk_protocol::eager);
+  }
+  void give_back_catchup_ctx(std::shared_ptr<coll::host_context> c) {
+    std::lock_guard lk(mu);
+    if (!spare_catchup_ctx)
+      spare_catchup_ctx = std::move(c);
+  }
+  /// Sizes of this rank's params, moments and scalars, from the trainer's
+  /// step boundaries: a source prepares snapshot buffers of these sizes.
+  std::optional<std::array<size_t, 4>> state_sizes;
   wire::worker_status status;
   bool announce_commit = false; // the first commit of an epoch is beaconed at once
   int64_t computing_since = 0;  // mono_ns of the running computation's start, 0: none
@@ -104,6 +133,10 @@ struct agent::impl {
       : o(std::move(opts)), client_(std::make_shared<coordinator_client>(std::move(c))),
         ctx(std::move(x)) {
     status.incarnation = o.incarnation;
+    // Until the trainer first asks for an epoch (its model built): a
+    // restarted rank is given a catch-up source only once it can take the
+    // snapshot, so its start-up does not run while a source serves it.
+    status.state = wire::worker_status::starting;
   }
 
   std::shared_ptr<coordinator_client> client() const {
@@ -131,6 +164,7 @@ struct agent::impl {
     // step for each update): it sleeps on the worker's events.
     h.spin_before_yield = 1;
     h.sleep_when_idle = std::chrono::milliseconds(2);
+    h.idle_polls_before_sleep = 100;
     return h;
   }
 };
@@ -310,6 +344,9 @@ void agent::impl::on_control(const control_message& m) {
       sessions[a->session] = s;
       spdlog::info("agent: rank {} is the catch-up source of rank {} (session {})", o.rank,
                    a->joiner, a->session);
+      // Started under the lock, so stop() never sees a half-assigned thread.
+      if (!stopping)
+        s->thread = std::thread([this, s] { serve(s); });
     }
   }
   cv.notify_all();
@@ -339,13 +376,40 @@ void agent::impl::serve(session_ptr s) {
     std::lock_guard lk(mu);
     s->broken = true;
     s->queue.clear();
-    std::vector<float>().swap(s->params);
-    std::vector<float>().swap(s->adam_m);
-    std::vector<float>().swap(s->adam_v);
+    s->drop_state();
   };
-  auto sctx = coll::host_context::create(o.rank, coll::bulk_protocol::eager);
+  // Prepared before the snapshot, here: the buffers are allocated and their
+  // pages touched on this thread, on huge pages (a fresh 100 MB vector
+  // filled on the trainer's thread cost it 270 ms of page faults), and the
+  // communicator is built, so that at the step boundary the trainer only
+  // copies (6 ms for 100 MB).
+  const auto t_setup = mono_ns();
+  {
+    std::unique_lock lk(mu);
+    if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || state_sizes.has_value(); }))
+      return fail(make_error(errc::timeout, "no step boundary for 600 s"));
+    if (stopping || s->broken)
+      return;
+  }
+  {
+    std::array<size_t, 4> n;
+    {
+      std::lock_guard lk(mu);
+      n = *state_sizes;
+    }
+    std::array<page_array, 4> fresh;
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      fresh[i] = page_array(n[i], page_array::pages::huge);
+      std::fill(fresh[i].begin(), fresh[i].end(), 0.0f); // fault the pages in here
+    }
+    std::lock_guard lk(mu);
+    s->state.swap(fresh);
+  }
+  const auto t_buffers = mono_ns();
+  auto sctx = take_catchup_ctx();
   if (!sctx)
     return fail(sctx.error());
+  const auto t_ctx = mono_ns();
   auto cl = client();
   // Nothing tells a source that its joiner died: its session ends when the
   // agent stops, when a newer session replaces it, or at the timeout.
@@ -366,23 +430,35 @@ void agent::impl::serve(session_ptr s) {
     if (s->broken || stopping)
       return;
     s->comm = std::move(*c);
+    s->prepared = true;
+  }
+  cv.notify_all();
+  spdlog::info("agent: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, context "
+               "{:.1f}, communicator {:.1f})",
+               a.session, a.joiner, (mono_ns() - t_setup) / 1e6, (t_buffers - t_setup) / 1e6,
+               (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6);
+  {
+    std::unique_lock lk(mu);
+    if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || !s->want_snapshot; }))
+      return fail(make_error(errc::timeout, "no step boundary for 600 s"));
+    if (stopping || s->broken)
+      return;
   }
   auto& comm = *s->comm;
   auto t0 = mono_ns();
-  int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(s->params.size())};
+  const size_t n_params = s->state[0].size();
+  int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(n_params)};
   caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
-  for (auto* v : {&s->params, &s->adam_m, &s->adam_v, &s->scalars})
+  for (auto& b : s->state)
     if (!e)
-      e = comm.broadcast(v->data(), v->size(), coll::dtype::float32, 0);
+      e = comm.broadcast(b.data(), b.size(), coll::dtype::float32, 0);
   if (e)
     return fail(e);
   double secs = static_cast<double>(mono_ns() - t0) / 1e9;
-  double mb = 3.0 * static_cast<double>(s->params.size() * sizeof(float)) / 1e6;
+  double mb = 3.0 * static_cast<double>(n_params * sizeof(float)) / 1e6;
   // The snapshot is sent: give its memory back (a session object stays,
   // small, until the agent stops).
-  std::vector<float>().swap(s->params);
-  std::vector<float>().swap(s->adam_m);
-  std::vector<float>().swap(s->adam_v);
+  s->drop_state();
   spdlog::info("agent: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
                "{:.2f} GB/s)",
                a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
@@ -410,8 +486,11 @@ void agent::impl::serve(session_ptr s) {
         return fail(err);
       spdlog::info("agent: session {}: stream to rank {} ended after {} update(s)", a.session,
                    a.joiner, streamed);
-      std::lock_guard lk(mu);
-      s->comm.reset();
+      {
+        std::lock_guard lk(mu);
+        s->comm.reset();
+      }
+      give_back_catchup_ctx(std::move(*sctx));
       return;
     }
     int64_t h[2] = {static_cast<int64_t>(item.first), static_cast<int64_t>(item.second.size())};
@@ -426,9 +505,19 @@ void agent::impl::serve(session_ptr s) {
 caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
                                 const apply_update& apply) {
   set_status(wire::worker_status::catching_up, {}, {}, a.session);
-  auto jctx = coll::host_context::create(o.rank, coll::bulk_protocol::eager);
+  auto jctx = take_catchup_ctx();
   if (!jctx)
     return jctx.error();
+  // Declared before the communicator, so it runs after that is gone.
+  struct give_back_t {
+    impl* self;
+    std::shared_ptr<coll::host_context> ctx;
+    bool clean = false;
+    ~give_back_t() {
+      if (clean)
+        self->give_back_catchup_ctx(std::move(ctx));
+    }
+  } give_back{this, *jctx};
   // Losses of the source heard of since the assignment came end the session.
   uint64_t losses_before = 0;
   {
@@ -488,8 +577,10 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
     // The stream ends when the source enters the epoch that admits us.
     if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0, {std::chrono::minutes(10)}))
       return e;
-    if (hdr[0] < 0)
+    if (hdr[0] < 0) {
+      give_back.clean = true;
       return {};
+    }
     if (static_cast<uint64_t>(hdr[0]) != st.step || static_cast<size_t>(hdr[1]) != update.size())
       return make_error(errc::invalid_argument,
                         fmt::format("catch-up stream sent step {} while this rank is at step {}",
@@ -515,6 +606,11 @@ agent::~agent() {
 
 void agent::start() {
   auto* I = impl_.get();
+  if (auto c = coll::host_context::create(I->o.rank, coll::bulk_protocol::eager))
+    I->spare_catchup_ctx = std::move(*c);
+  else
+    spdlog::warn("agent: no spare catch-up context ({}); a catch-up will make its own",
+                 describe(c.error()));
   I->client()->on_control([I](const control_message& m) { I->on_control(m); });
   I->beacon = std::thread([I] { I->run_beacon(); });
 }
@@ -568,27 +664,35 @@ uint64_t agent::newest_epoch() const {
 void agent::at_boundary(const train_state& st) {
   auto& I = *impl_;
   std::vector<session_ptr> start;
+  const auto t0 = mono_ns();
   {
     std::lock_guard lk(I.mu);
     I.status.step = st.step;
+    if (!I.state_sizes)
+      I.cv.notify_all(); // a source may be waiting to size its buffers
+    I.state_sizes = {st.params.size(), st.adam_m.size(), st.adam_v.size(), st.scalars.size()};
     for (auto& [id, s] : I.sessions) {
-      if (!s->want_snapshot || s->broken)
+      if (!s->want_snapshot || !s->prepared || s->broken)
         continue;
       s->want_snapshot = false;
       s->snap_step = st.step;
-      s->params.assign(st.params.begin(), st.params.end());
-      s->adam_m.assign(st.adam_m.begin(), st.adam_m.end());
-      s->adam_v.assign(st.adam_v.begin(), st.adam_v.end());
-      s->scalars.assign(st.scalars.begin(), st.scalars.end());
+      // Copies into the buffers the serving thread prepared; a size that
+      // changed since (it does not, within a run) gets a fresh buffer.
+      const std::span<const float> from[4] = {st.params, st.adam_m, st.adam_v, st.scalars};
+      for (size_t i = 0; i < s->state.size(); ++i) {
+        if (s->state[i].size() != from[i].size())
+          s->state[i] = page_array(from[i].size());
+        std::copy(from[i].begin(), from[i].end(), s->state[i].begin());
+      }
       start.push_back(s);
-      // Started under the lock, so stop() never sees a half-assigned thread.
-      if (!I.stopping)
-        s->thread = std::thread([&I, s] { I.serve(s); });
     }
   }
+  if (start.empty())
+    return;
+  I.cv.notify_all();
   for (auto& s : start)
-    spdlog::info("agent: session {}: snapshot of step {} taken for rank {}", s->assign.session,
-                 s->snap_step, s->assign.joiner);
+    spdlog::info("agent: session {}: snapshot of step {} taken for rank {} ({:.1f} ms)",
+                 s->assign.session, s->snap_step, s->assign.joiner, (mono_ns() - t0) / 1e6);
 }
 
 void agent::committed(uint64_t k, std::span<const float> update) {
@@ -634,7 +738,7 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
   for (;;) {
     auto snapshot_owed = [&] {
       return member_before && std::any_of(I.sessions.begin(), I.sessions.end(), [](auto& kv) {
-               return kv.second->want_snapshot && !kv.second->broken;
+               return kv.second->want_snapshot && kv.second->prepared && !kv.second->broken;
              });
     };
     I.cv.wait_until(lk, deadline, [&] {

@@ -496,7 +496,14 @@ supervisor::view supervisor::snapshot() const {
 }
 
 void supervisor::note(std::string_view event, const event_fields& fields) {
-  impl_->log->emit(event, fields);
+  // With the members' step at that moment, so that an outside reader can
+  // place the event among the steps (a restart, for one).
+  auto all = fields;
+  if (std::none_of(all.begin(), all.end(), [](auto& f) { return f.first == "step"; })) {
+    std::lock_guard lk(impl_->mu);
+    all.emplace_back("step", impl_->max_member_step);
+  }
+  impl_->log->emit(event, all);
 }
 
 } // namespace cmesh::actors

@@ -21,13 +21,19 @@ size_t page_size() {
 
 } // namespace
 
-page_array::page_array(size_t n) : size_(n) {
+page_array::page_array(size_t n, pages kind) : size_(n) {
   if (n == 0)
     return;
   bytes_ = (n * sizeof(float) + page_size() - 1) / page_size() * page_size();
   void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   CMESH_CHECK(p != MAP_FAILED);
   data_ = static_cast<float*>(p);
+#ifdef MADV_HUGEPAGE
+  if (kind == pages::huge)
+    (void) madvise(p, bytes_, MADV_HUGEPAGE); // a hint: without THP it changes nothing
+#else
+  (void) kind;
+#endif
 }
 
 page_array::~page_array() {

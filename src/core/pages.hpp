@@ -17,9 +17,14 @@ namespace cmesh {
 
 class page_array {
 public:
+  /// Transparent huge pages (Linux, "madvise" mode): a 2 MiB page is one
+  /// fault instead of 512. Filling a fresh 100 MB buffer took 260 ms of
+  /// faults on 4 KiB pages on these virtual machines, 30 ms on huge pages.
+  enum class pages { normal, huge };
+
   page_array() = default;
   /// `n` floats, all zero, none resident yet. Aborts when the mapping fails.
-  explicit page_array(size_t n);
+  explicit page_array(size_t n, pages kind = pages::normal);
   ~page_array();
   page_array(page_array&& other) noexcept;
   page_array& operator=(page_array&& other) noexcept;

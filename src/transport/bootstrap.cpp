@@ -562,7 +562,7 @@ void coordinator::impl::on_report(const conn_ptr& c, const wire::report& r) {
     }
   }
   reports_cv.notify_all();
-  emit(worker_event{worker_event::type::report, *c->rank, r});
+  emit(worker_event{worker_event::type::report, *c->rank, r, {}, 0});
 }
 
 void coordinator::impl::on_disconnect(const conn_ptr& c) {

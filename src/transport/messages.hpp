@@ -145,6 +145,7 @@ struct worker_status {
     catching_up = 2, // restarted: needs (or is receiving) a snapshot
     ready = 3,       // caught up and following its source's stream: may join
     recovering = 4,  // its step failed; waiting for the next epoch
+    starting = 5,    // registered, still building its model: nothing to assign yet
   };
   uint64_t incarnation = 0;
   uint64_t epoch = 0;

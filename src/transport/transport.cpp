@@ -520,12 +520,18 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
     auto full = [&] {
       return impl_->queued.load() + impl_->pending_frames.load() >= impl_->opts.send_queue_max;
     };
-    if (full()) {
-      // Backpressure: wait a bounded time for the data lane to drain.
+    // Backpressure: wait a bounded time for the data lane to drain. Until
+    // the deadline, not until the first wake-up: the lane moves a drained
+    // batch into the per-peer pending queues outside the lock, so the
+    // count can dip below the bound and rise again.
+    const auto deadline = std::chrono::steady_clock::now()
+                          + std::chrono::milliseconds(impl_->opts.send_block_ms);
+    while (full() && p->alive && !impl_->stopped) {
       ++impl_->space_waiters;
-      impl_->space_cv.wait_for(g, std::chrono::milliseconds(impl_->opts.send_block_ms),
-                               [&] { return !full() || impl_->stopped || !p->alive; });
+      auto woke = impl_->space_cv.wait_until(g, deadline);
       --impl_->space_waiters;
+      if (woke == std::cv_status::timeout)
+        break;
     }
     if (full() || !p->alive) {
       ++impl_->counters.refused;
