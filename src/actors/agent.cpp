@@ -51,7 +51,6 @@ uint64_t catchup_epoch(uint64_t session) {
 /// One joiner this rank serves.
 struct session {
   wire::catchup_assign assign;
-  bool prepared = false;      // buffers allocated and the communicator built
   bool want_snapshot = true;  // until at_boundary copies it
   bool end = false;           // the stream's last update is queued
   bool broken = false;        // cut off, or failed
@@ -63,8 +62,11 @@ struct session {
       b = page_array{};
   }
   std::deque<std::pair<uint64_t, std::vector<float>>> queue;
-  std::unique_ptr<coll::communicator> comm; // while sending
+  std::unique_ptr<coll::communicator> comm; // from prepared until the stream ends
   std::thread thread;
+  /// Buffers allocated and the communicator built (the serving thread sets
+  /// comm last; it is reset only after the snapshot was sent).
+  bool prepared() const { return comm != nullptr; }
 };
 using session_ptr = std::shared_ptr<session>;
 
@@ -385,16 +387,13 @@ void agent::impl::serve(session_ptr s) {
   // copies (6 ms for 100 MB).
   const auto t_setup = mono_ns();
   {
-    std::unique_lock lk(mu);
-    if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || state_sizes.has_value(); }))
-      return fail(make_error(errc::timeout, "no step boundary for 600 s"));
-    if (stopping || s->broken)
-      return;
-  }
-  {
     std::array<size_t, 4> n;
     {
-      std::lock_guard lk(mu);
+      std::unique_lock lk(mu);
+      if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || state_sizes.has_value(); }))
+        return fail(make_error(errc::timeout, "no step boundary for 600 s"));
+      if (stopping || s->broken)
+        return;
       n = *state_sizes;
     }
     std::array<page_array, 4> fresh;
@@ -430,7 +429,6 @@ void agent::impl::serve(session_ptr s) {
     if (s->broken || stopping)
       return;
     s->comm = std::move(*c);
-    s->prepared = true;
   }
   cv.notify_all();
   spdlog::info("agent: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, context "
@@ -672,7 +670,7 @@ void agent::at_boundary(const train_state& st) {
       I.cv.notify_all(); // a source may be waiting to size its buffers
     I.state_sizes = {st.params.size(), st.adam_m.size(), st.adam_v.size(), st.scalars.size()};
     for (auto& [id, s] : I.sessions) {
-      if (!s->want_snapshot || !s->prepared || s->broken)
+      if (!s->want_snapshot || !s->prepared() || s->broken)
         continue;
       s->want_snapshot = false;
       s->snap_step = st.step;
@@ -738,7 +736,7 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
   for (;;) {
     auto snapshot_owed = [&] {
       return member_before && std::any_of(I.sessions.begin(), I.sessions.end(), [](auto& kv) {
-               return kv.second->want_snapshot && kv.second->prepared && !kv.second->broken;
+               return kv.second->want_snapshot && kv.second->prepared() && !kv.second->broken;
              });
     };
     I.cv.wait_until(lk, deadline, [&] {

@@ -378,6 +378,7 @@ struct transport::impl {
   bool drain_commands();
   caf::error send_on_lane(peer_state& p, command&& c);
   void flush_pending();
+  void post_or_hold(peer_state& p, command&& c);
   void post_send(peer_state& p, command&& c);
   bool poll_frames();
   void accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
@@ -697,14 +698,19 @@ bool transport::impl::drain_commands() {
     auto* p = peer(c.peer);
     if (p == nullptr || !p->alive)
       continue;
-    if (p->inflight.load() >= opts.inflight_per_peer_max || !p->pending.empty()) {
-      p->pending.push_back(std::move(c));
-      ++pending_frames;
-    } else {
-      post_send(*p, std::move(c));
-    }
+    post_or_hold(*p, std::move(c));
   }
   return true;
+}
+
+void transport::impl::post_or_hold(peer_state& p, command&& c) {
+  // Behind earlier held frames, or over the in-flight bound: held, in order.
+  if (p.inflight.load() >= opts.inflight_per_peer_max || !p.pending.empty()) {
+    p.pending.push_back(std::move(c));
+    ++pending_frames;
+  } else {
+    post_send(p, std::move(c));
+  }
 }
 
 caf::error transport::impl::send_on_lane(peer_state& p, command&& c) {
@@ -730,12 +736,7 @@ caf::error transport::impl::send_on_lane(peer_state& p, command&& c) {
     ++counters.refused;
     return make_error(errc::peer_lost, "rank " + std::to_string(p.rank) + " is fenced");
   }
-  if (p.inflight.load() >= opts.inflight_per_peer_max || !p.pending.empty()) {
-    p.pending.push_back(std::move(c));
-    ++pending_frames;
-  } else {
-    post_send(p, std::move(c));
-  }
+  post_or_hold(p, std::move(c));
   return {};
 }
 
