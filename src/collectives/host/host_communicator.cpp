@@ -21,6 +21,7 @@ namespace cmesh::coll {
 
 struct host_context::impl {
   uint32_t rank = 0;
+  bulk_protocol bulk = bulk_protocol::eager;
   ucx::worker_handle ucx;
   std::mutex busy; // one communicator operation at a time on the worker
 };
@@ -28,15 +29,40 @@ struct host_context::impl {
 host_context::host_context() : impl_(std::make_unique<impl>()) {}
 host_context::~host_context() = default;
 
-expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank, bulk_protocol bulk) {
+expected<bulk_protocol> default_bulk_protocol() {
+  auto v = env_string("CMESH_COLL_BULK");
+  if (!v || *v == "eager")
+    return bulk_protocol::eager;
+  if (*v == "rendezvous")
+    return bulk_protocol::rendezvous;
+  return make_error(errc::invalid_argument,
+                    "CMESH_COLL_BULK=" + *v + ": expected eager or rendezvous");
+}
+
+expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank,
+                                                             std::optional<bulk_protocol> bulk) {
+  if (!bulk) {
+    auto b = default_bulk_protocol();
+    if (!b)
+      return b.error();
+    bulk = *b;
+  }
   std::shared_ptr<host_context> ctx(new host_context());
   ctx->impl_->rank = rank;
-  std::vector<std::pair<std::string, std::string>> config;
-  if (bulk == bulk_protocol::eager)
+  ctx->impl_->bulk = *bulk;
+  // Shared-memory fragments of 32 KiB instead of UCX's 8 KiB: a quarter of
+  // the per-fragment work for the same bytes (docs/design.md, Collectives).
+  std::vector<std::pair<std::string, std::string>> config{{"MM_SEG_SIZE", "32k"},
+                                                           {"MM_RX_BUFS_GROW", "64"}};
+  if (*bulk == bulk_protocol::eager)
     config.emplace_back("RNDV_THRESH", "inf");
   if (auto err = ctx->impl_->ucx.init("cmesh-coll-" + std::to_string(rank), config))
     return err;
   return ctx;
+}
+
+bulk_protocol host_context::bulk() const {
+  return impl_->bulk;
 }
 
 uint32_t host_context::rank() const {

@@ -9,7 +9,8 @@
 // 2 x window x chunk_bytes whatever the buffer's size (window = number of
 // members, at least 2). all_gather receives straight into the output (no
 // staging), broadcast is a pipelined chain from the root, all_to_allv posts
-// every pairwise transfer at once (UCX rendezvous moves the data).
+// every pairwise transfer at once. Large messages go eagerly through shared
+// memory unless the context says rendezvous (bulk_protocol).
 //
 // Failure: see communicator.hpp. A member lost is noticed through the
 // process's failure detector (peer_status, usually the transport's
@@ -25,6 +26,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace cmesh {
@@ -51,20 +53,30 @@ struct host_options {
 
 /// How a host context moves large messages (docs/design.md, Collectives).
 enum class bulk_protocol : uint8_t {
-  automatic, // UCX's choice: rendezvous (the receiver pulls) above its threshold
-  eager,     // copied through shared memory whatever the size (UCX_RNDV_THRESH
-             // = inf): for buffers sent once (catch-up snapshots), which
-             // rendezvous moved ten times slower on the machines measured
+  eager,      // copied through shared memory whatever the size
+              // (UCX_RNDV_THRESH = inf): the sender copies into the
+              // receiver's shared receive buffers, the receiver out of them
+              // (cache-hot). The ring's chunking bounds what a peer can send
+              // ahead of the receives posted for it.
+  rendezvous, // UCX's choice: rendezvous above its threshold (the receiver
+              // pulls: CMA on one machine, RDMA between machines)
 };
+
+/// The protocol a context gets when its creator does not say: eager, or
+/// what CMESH_COLL_BULK (eager | rendezvous) says; a malformed value is an
+/// invalid_argument error.
+expected<bulk_protocol> default_bulk_protocol();
 
 /// One UCP worker for the collectives of this process. A UCX_RNDV_THRESH in
 /// the environment overrides `bulk`.
 class host_context {
 public:
+  /// `bulk` unset: default_bulk_protocol().
   static expected<std::shared_ptr<host_context>> create(
-    uint32_t rank, bulk_protocol bulk = bulk_protocol::automatic);
+    uint32_t rank, std::optional<bulk_protocol> bulk = std::nullopt);
   ~host_context();
 
+  bulk_protocol bulk() const;
   uint32_t rank() const;
   /// The worker's address, published for every epoch.
   std::string address() const;

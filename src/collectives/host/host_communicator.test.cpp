@@ -1,0 +1,95 @@
+#include "collectives/host/host_communicator.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+using namespace cmesh;
+using namespace cmesh::coll;
+
+namespace {
+
+/// Sets an environment variable for one scope, restoring what was there.
+struct scoped_env {
+  std::string name;
+  std::optional<std::string> old;
+  scoped_env(const char* n, const char* value) : name(n) {
+    if (const char* o = std::getenv(n))
+      old = o;
+    ::setenv(n, value, 1);
+  }
+  ~scoped_env() {
+    if (old)
+      ::setenv(name.c_str(), old->c_str(), 1);
+    else
+      ::unsetenv(name.c_str());
+  }
+};
+
+} // namespace
+
+TEST_CASE("CMESH_COLL_BULK chooses a context's protocol; a bad value is a typed error") {
+  {
+    scoped_env e("CMESH_COLL_BULK", "rendezvous");
+    auto ctx = host_context::create(0);
+    REQUIRE(ctx);
+    CHECK((*ctx)->bulk() == bulk_protocol::rendezvous);
+    auto given = host_context::create(0, bulk_protocol::eager);
+    REQUIRE(given);
+    CHECK((*given)->bulk() == bulk_protocol::eager); // the caller's choice wins
+  }
+  {
+    scoped_env e("CMESH_COLL_BULK", "eager");
+    CHECK(*default_bulk_protocol() == bulk_protocol::eager);
+  }
+  {
+    scoped_env e("CMESH_COLL_BULK", "pull");
+    auto p = default_bulk_protocol();
+    REQUIRE_FALSE(p);
+    CHECK(code_of(p.error()) == errc::invalid_argument);
+    CHECK(describe(p.error()).find("CMESH_COLL_BULK=pull") != std::string::npos);
+    CHECK_FALSE(host_context::create(0));
+  }
+}
+
+TEST_CASE("both bulk protocols all_reduce across two workers of one process") {
+  for (auto bulk : {bulk_protocol::eager, bulk_protocol::rendezvous}) {
+    CAPTURE(static_cast<int>(bulk));
+    auto a = host_context::create(0, bulk);
+    auto b = host_context::create(1, bulk);
+    REQUIRE(a);
+    REQUIRE(b);
+    std::vector<std::string> addresses{(*a)->address(), (*b)->address()};
+    membership m{1, {0, 1}};
+    auto alive = [](uint32_t) { return caf::error{}; };
+    host_options o;
+    o.chunk_bytes = 64 * 1024; // several chunks in flight
+    auto ca = make_host_communicator(*a, m, addresses, alive, o);
+    auto cb = make_host_communicator(*b, m, addresses, alive, o);
+    REQUIRE(ca);
+    REQUIRE(cb);
+    // Sizes around the fragment (32 KiB), the small-message bound and the chunk.
+    for (size_t count : {size_t{1}, size_t{8191}, size_t{8193}, size_t{40000}, size_t{300001}}) {
+      CAPTURE(count);
+      std::vector<float> x(count), y(count);
+      for (size_t i = 0; i < count; ++i) {
+        x[i] = static_cast<float>(i % 97);
+        y[i] = static_cast<float>(i % 89) * 0.5f;
+      }
+      caf::error ea, eb;
+      std::thread t([&] { eb = (*cb)->all_reduce(y.data(), count, dtype::float32, reduce_op::sum); });
+      ea = (*ca)->all_reduce(x.data(), count, dtype::float32, reduce_op::sum);
+      t.join();
+      REQUIRE_FALSE(ea);
+      REQUIRE_FALSE(eb);
+      size_t wrong = 0;
+      for (size_t i = 0; i < count; ++i) {
+        const float want = static_cast<float>(i % 97) + static_cast<float>(i % 89) * 0.5f;
+        wrong += x[i] != want || y[i] != want;
+      }
+      CHECK(wrong == 0);
+    }
+  }
+}
