@@ -616,32 +616,50 @@ caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& 
   const size_t steps = n() - 1;
   auto block_sent = [&](size_t s) { return (me_ + n() - s % n()) % n(); };
   auto block_recv = [&](size_t s) { return (me_ + 2 * n() - s - 1) % n(); };
-  // Receives land in the output, so every chunk's chain runs at once.
-  std::vector<size_t> step(nchunks, 0);
-  std::vector<req_id> recv(nchunks);
-  for (size_t c = 0; c < nchunks; ++c) {
-    auto sc = chunk_of(blocks[block_sent(0)], c, ce);
-    isend(right(), out + sc.offset * es, sc.count * es, c);
-    auto rc = chunk_of(blocks[block_recv(0)], c, ce);
-    recv[c] = irecv(left(), out + rc.offset * es, rc.count * es, c);
-  }
+  // Receives land in the output (no staging). At most `window` chunks' chains
+  // run at once, as in the reduce-scatter: with eager sends a member ahead of
+  // its right neighbour can put at most that many chunks into the
+  // neighbour's unexpected queue, whatever the buffer's size.
+  const size_t window = std::min(nchunks, std::max<size_t>(2, n()));
+  struct chain {
+    size_t chunk = 0;
+    size_t step = 0;
+    req_id recv = 0;
+    bool active = false;
+  };
+  std::vector<chain> lanes(window);
+  size_t next_chunk = 0;
   size_t finished = 0;
+  auto start = [&](chain& L) {
+    L = {};
+    L.chunk = next_chunk++;
+    auto sc = chunk_of(blocks[block_sent(0)], L.chunk, ce);
+    isend(right(), out + sc.offset * es, sc.count * es, L.chunk);
+    auto rc = chunk_of(blocks[block_recv(0)], L.chunk, ce);
+    L.recv = irecv(left(), out + rc.offset * es, rc.count * es, L.chunk);
+    L.active = true;
+  };
+  for (auto& L : lanes)
+    start(L);
   while (finished < nchunks) {
     if (auto e = progress())
       return e;
-    for (size_t c = 0; c < nchunks; ++c) {
-      if (step[c] == steps || !test(recv[c]))
+    for (auto& L : lanes) {
+      if (!L.active || !test(L.recv))
         continue;
-      if (++step[c] == steps) {
+      if (++L.step == steps) {
+        L.active = false;
         ++finished;
+        if (next_chunk < nchunks)
+          start(L);
         continue;
       }
       // Forward what just arrived, and receive the next block.
-      uint64_t slot = step[c] * nchunks + c;
-      auto sc = chunk_of(blocks[block_sent(step[c])], c, ce);
+      uint64_t slot = L.step * nchunks + L.chunk;
+      auto sc = chunk_of(blocks[block_sent(L.step)], L.chunk, ce);
       isend(right(), out + sc.offset * es, sc.count * es, slot);
-      auto rc = chunk_of(blocks[block_recv(step[c])], c, ce);
-      recv[c] = irecv(left(), out + rc.offset * es, rc.count * es, slot);
+      auto rc = chunk_of(blocks[block_recv(L.step)], L.chunk, ce);
+      L.recv = irecv(left(), out + rc.offset * es, rc.count * es, slot);
     }
   }
   return wait_all();
