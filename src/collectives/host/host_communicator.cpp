@@ -580,15 +580,21 @@ caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
       if (!L.active || !test(L.recv))
         continue;
       auto rc = chunk_of(blocks[block_recv(L.step)], L.chunk, ce);
-      (void)reduce_into(L.slot_recv, in + rc.offset * es, rc.count, t, op);
+      const bool last = L.step + 1 == steps;
+      // The block received at the last step is this member's own. In place
+      // (all_reduce), the sum goes straight into it: one pass, not a
+      // reduction into the staging slot and a copy out of it.
+      uint8_t* own_dst = out_own + (rc.offset - blocks[me_].offset) * es;
+      const bool in_place = last && own_dst == in + rc.offset * es;
+      if (in_place)
+        (void)reduce_into(own_dst, L.slot_recv, rc.count, t, op);
+      else
+        (void)reduce_into(L.slot_recv, in + rc.offset * es, rc.count, t, op);
       if (auto e = wait(L.send))
         return e;
-      if (L.step + 1 == steps) {
-        // The block received at the last step is this member's own.
-        auto own = chunk_of(blocks[me_], L.chunk, ce);
-        if (own.count > 0) // an empty block may come with a null buffer
-          std::memcpy(out_own + (own.offset - blocks[me_].offset) * es, L.slot_recv,
-                      own.count * es);
+      if (last) {
+        if (!in_place && rc.count > 0) // an empty block may come with a null buffer
+          std::memcpy(own_dst, L.slot_recv, rc.count * es);
         L.active = false;
         ++finished;
         if (next_chunk < nchunks)
