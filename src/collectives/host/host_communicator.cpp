@@ -22,8 +22,31 @@ namespace cmesh::coll {
 struct host_context::impl {
   uint32_t rank = 0;
   bulk_protocol bulk = bulk_protocol::eager;
-  ucx::worker_handle ucx;
-  std::mutex busy; // one communicator operation at a time on the worker
+  std::vector<std::pair<std::string, std::string>> config;
+  // The worker new communicators connect on; each communicator holds the one
+  // it was made on, so a renewal never pulls a worker from under it.
+  std::shared_ptr<ucx::worker_handle> ucx;
+  std::mutex busy; // one communicator operation at a time on the context
+  // What the next communicator must know (docs/design.md, Collectives:
+  // worker renewal): the members of the last one, and whether one failed.
+  std::mutex renewal_mu;
+  std::vector<uint32_t> last_ranks;
+  std::atomic<bool> tainted{false};
+  uint64_t renewals = 0;
+
+  caf::error make_worker() {
+    auto w = std::make_shared<ucx::worker_handle>();
+    if (auto err = w->init("cmesh-coll-" + std::to_string(rank), config))
+      return err;
+    std::lock_guard<std::mutex> g(renewal_mu);
+    ucx = std::move(w);
+    return {};
+  }
+
+  std::shared_ptr<ucx::worker_handle> current() {
+    std::lock_guard<std::mutex> g(renewal_mu);
+    return ucx;
+  }
 };
 
 host_context::host_context() : impl_(std::make_unique<impl>()) {}
@@ -48,17 +71,42 @@ expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank,
     bulk = *b;
   }
   std::shared_ptr<host_context> ctx(new host_context());
-  ctx->impl_->rank = rank;
-  ctx->impl_->bulk = *bulk;
+  auto& I = *ctx->impl_;
+  I.rank = rank;
+  I.bulk = *bulk;
   // Shared-memory fragments of 32 KiB instead of UCX's 8 KiB: a quarter of
   // the per-fragment work for the same bytes (docs/design.md, Collectives).
-  std::vector<std::pair<std::string, std::string>> config{{"MM_SEG_SIZE", "32k"},
-                                                           {"MM_RX_BUFS_GROW", "64"}};
+  I.config = {{"MM_SEG_SIZE", "32k"}, {"MM_RX_BUFS_GROW", "64"}};
   if (*bulk == bulk_protocol::eager)
-    config.emplace_back("RNDV_THRESH", "inf");
-  if (auto err = ctx->impl_->ucx.init("cmesh-coll-" + std::to_string(rank), config))
+    I.config.emplace_back("RNDV_THRESH", "inf");
+  if (auto err = I.make_worker())
     return err;
   return ctx;
+}
+
+caf::error host_context::prepare(const membership& next) {
+  auto& I = *impl_;
+  bool renew = I.tainted.load();
+  {
+    std::lock_guard<std::mutex> g(I.renewal_mu);
+    for (auto r : I.last_ranks)
+      renew |= std::find(next.ranks.begin(), next.ranks.end(), r) == next.ranks.end();
+  }
+  if (renew) {
+    if (auto err = I.make_worker())
+      return err;
+    std::lock_guard<std::mutex> g(I.renewal_mu);
+    ++I.renewals;
+  }
+  std::lock_guard<std::mutex> g(I.renewal_mu);
+  I.last_ranks = next.ranks;
+  I.tainted = false;
+  return {};
+}
+
+uint64_t host_context::renewals() const {
+  std::lock_guard<std::mutex> g(impl_->renewal_mu);
+  return impl_->renewals;
 }
 
 bulk_protocol host_context::bulk() const {
@@ -70,7 +118,7 @@ uint32_t host_context::rank() const {
 }
 
 std::string host_context::address() const {
-  return impl_->ucx.address();
+  return impl_->current()->address();
 }
 
 namespace {
@@ -142,7 +190,8 @@ class host_comm final : public communicator {
 public:
   host_comm(std::shared_ptr<host_context> ctx, membership m, size_t me, peer_status status,
             host_options opts)
-      : ctx_(std::move(ctx)), m_(std::move(m)), me_(me), status_(std::move(status)), opts_(opts) {}
+      : ctx_(std::move(ctx)), ucx_(ctx_->internals().current()), m_(std::move(m)), me_(me),
+        status_(std::move(status)), opts_(opts) {}
 
   ~host_comm() override { close(); }
 
@@ -184,7 +233,7 @@ private:
   };
   using req_id = size_t;
 
-  ucp_worker_h worker() const { return ctx_->internals().ucx.worker(); }
+  ucp_worker_h worker() const { return ucx_->worker(); }
   size_t n() const { return m_.size(); }
   size_t left() const { return (me_ + n() - 1) % n(); }
   size_t right() const { return (me_ + 1) % n(); }
@@ -198,6 +247,12 @@ private:
   caf::error wait(req_id id);
   caf::error wait_all();
   caf::error fail(caf::error e);
+  /// Poisons this communicator and taints its context: the next
+  /// communicator made there gets a fresh worker (host_context::prepare).
+  void poison(const caf::error& e) {
+    ctx_->internals().tainted = true;
+    latch_.poison(e);
+  }
   void close();
 
   // -- operation framing -------------------------------------------------------------
@@ -214,6 +269,7 @@ private:
   uint8_t* staging(size_t bytes);
 
   std::shared_ptr<host_context> ctx_;
+  std::shared_ptr<ucx::worker_handle> ucx_; // the worker this communicator was made on
   membership m_;
   size_t me_;
   peer_status status_;
@@ -374,7 +430,7 @@ caf::error host_comm::progress() {
       // Off the core until the worker has an event (or the slice ends and
       // failures are checked): for operations that wait long on a peer.
       if (ucp_worker_arm(worker()) == UCS_OK) {
-        pollfd p{ctx_->internals().ucx.event_fd(), POLLIN, 0};
+        pollfd p{ucx_->event_fd(), POLLIN, 0};
         ::poll(&p, 1, static_cast<int>(opts_.sleep_when_idle.count()));
       }
     } else {
@@ -441,7 +497,7 @@ caf::error host_comm::fail(caf::error e) {
     }
   }
   reqs_.clear();
-  latch_.poison(e);
+  poison(e);
   return e;
 }
 
@@ -459,7 +515,7 @@ caf::error host_comm::begin(const char* name, const op_options& o) {
                                         + describe(p) + "); rebuild it for a new epoch");
   if (latch_.abort_requested()) {
     auto reason = latch_.abort_reason();
-    latch_.poison(reason);
+    poison(reason);
     return reason;
   }
   busy_ = std::unique_lock<std::mutex>(ctx_->internals().busy);
@@ -850,6 +906,8 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
 expected<std::unique_ptr<communicator>> make_host_subcommunicator(
   communicator& parent, std::shared_ptr<host_context> ctx, membership sub, peer_status status,
   host_options opts) {
+  if (auto e = ctx->prepare(sub))
+    return e;
   // Every address padded to the longest one, in whole int64 words.
   const auto mine = ctx->address();
   int64_t words = static_cast<int64_t>((mine.size() + sizeof(int64_t) - 1) / sizeof(int64_t) + 1);
@@ -882,6 +940,8 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
   peer_status status, host_options opts) {
   auto ns = "epoch/" + std::to_string(members.epoch) + "/host/";
+  if (auto e = ctx->prepare(members))
+    return e;
   auto mine = ctx->address();
   if (auto e = coordinator.kv_put(ns + std::to_string(ctx->rank()),
                                   wire::bytes(mine.begin(), mine.end())))

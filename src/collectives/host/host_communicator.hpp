@@ -78,8 +78,20 @@ public:
 
   bulk_protocol bulk() const;
   uint32_t rank() const;
-  /// The worker's address, published for every epoch.
+  /// The current worker's address, published for every epoch.
   std::string address() const;
+
+  /// Readies the context for a communicator of `next`, before its address
+  /// is published: when the last communicator made here failed, or had a
+  /// member `next` lacks, the context moves to a fresh UCP worker. A member
+  /// killed while writing into this worker's shared-memory receive queue
+  /// leaves a slot that is never completed, and every message behind it,
+  /// from any peer, waits forever. Communicators already made keep their
+  /// worker. The coordinator and subcommunicator paths call it; a caller
+  /// exchanging addresses itself calls it before address().
+  caf::error prepare(const membership& next);
+  /// How many times prepare() moved to a fresh worker.
+  uint64_t renewals() const;
 
   struct impl;
   impl& internals() { return *impl_; }

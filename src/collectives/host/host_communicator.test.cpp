@@ -93,3 +93,38 @@ TEST_CASE("both bulk protocols all_reduce across two workers of one process") {
     }
   }
 }
+
+TEST_CASE("a context moves to a fresh worker after a failed communicator or a lost member") {
+  auto a = host_context::create(0);
+  auto b = host_context::create(1);
+  REQUIRE(a);
+  REQUIRE(b);
+  auto& ctx = **a;
+  REQUIRE_FALSE(ctx.prepare({1, {0, 1}}));
+  REQUIRE_FALSE((*b)->prepare({1, {0, 1}}));
+  CHECK(ctx.renewals() == 0);
+  REQUIRE_FALSE(ctx.prepare({2, {0, 1}})); // same members, nothing failed
+  CHECK(ctx.renewals() == 0);
+  const auto before = ctx.address();
+  REQUIRE_FALSE(ctx.prepare({3, {0}})); // member 1 is gone: fresh worker
+  CHECK(ctx.renewals() == 1);
+  CHECK(ctx.address() != before);
+  REQUIRE_FALSE(ctx.prepare({4, {0, 1}})); // a member comes back: nothing to drop
+  REQUIRE_FALSE((*b)->prepare({4, {0, 1}}));
+  CHECK(ctx.renewals() == 1);
+
+  // A communicator that fails (here: aborted) taints its context.
+  auto alive = [](uint32_t) { return caf::error{}; };
+  std::vector<std::string> addresses{ctx.address(), (*b)->address()};
+  auto c = make_host_communicator(*a, {4, {0, 1}}, addresses, alive);
+  REQUIRE(c);
+  (*c)->abort(make_error(errc::aborted, "test"));
+  std::vector<float> x(16, 1.0f);
+  auto e = (*c)->all_reduce(x.data(), x.size(), dtype::float32, reduce_op::sum);
+  CHECK(code_of(e) == errc::aborted);
+  REQUIRE_FALSE(ctx.prepare({5, {0, 1}}));
+  CHECK(ctx.renewals() == 2);
+  // The failed communicator still holds its own worker and closes cleanly.
+  CHECK(code_of((*c)->poisoned()) == errc::aborted);
+  c->reset();
+}
