@@ -22,6 +22,10 @@ TEST_CASE("every operation, dtype and size matches a serial reference") {
     std::string big = n == 2 ? std::to_string(16u << 20) : "0";
     h.spawn_all("cmesh_test_coll", {"ops", std::to_string(s), big});
     for (uint32_t r = 0; r < n; ++r) {
+      // Two members of one host take the shared-memory ring; more take UCX.
+      auto path = h.report(r, "path", 60s);
+      REQUIRE(path);
+      CHECK(path->value == (n == 2 ? "shm" : "ucx"));
       auto rep = h.report(r, "ops", 300s);
       REQUIRE(rep);
       INFO("rank " << r << ": " << rep->value);
@@ -33,7 +37,10 @@ TEST_CASE("every operation, dtype and size matches a serial reference") {
 }
 
 TEST_CASE("SIGKILL in a 64 MiB all_reduce: survivors get peer_lost naming the rank, rebuild, go on") {
-  const uint32_t n = 3, victim = 1;
+  // 3 ranks: the ring over UCX; 2 ranks: the shared-memory ring.
+  for (uint32_t n : {3u, 2u}) {
+  CAPTURE(n);
+  const uint32_t victim = 1;
   node_harness h(n);
   h.spawn_all("cmesh_test_coll", {"kill", std::to_string(victim)});
   for (uint32_t r = 0; r < n; ++r)
@@ -57,6 +64,7 @@ TEST_CASE("SIGKILL in a 64 MiB all_reduce: survivors get peer_lost naming the ra
     REQUIRE(rebuilt);
     MESSAGE("rank " << r << " rebuilt: " << rebuilt->value << " ms");
     CHECK(rebuilt->value.rfind("ok ", 0) == 0);
+  }
   }
 }
 

@@ -48,8 +48,9 @@
 // exact sum) and warm-ups (10 / 1). Each job first primes its workers (500
 // all_reduces of each of the three smallest sizes: a fresh worker's shared receive
 // buffers fault in on first use, once per job). Each round runs the job with the
-// default (eager) bulk protocol and chunk sweep, then again with the rendezvous
-// protocol (CMESH_COLL_BULK=rendezvous) at the default chunk. Rank 0 times the loop; busbw =
+// defaults and the chunk sweep, then twice more at the default chunk on the UCX
+// ring the shared-memory ring replaces: eager (CMESH_COLL_SHM_RING=0) and
+// rendezvous (also CMESH_COLL_BULK=rendezvous). Rank 0 times the loop; busbw =
 // 2(n-1)/n x bytes / time (= bytes / time at n = 2), 1 GB = 1e9 bytes. memcpy:
 // 64 MiB in this process, bytes copied per second, mean of 10 after 2 warm-ups.
 //
@@ -573,15 +574,15 @@ struct job {
 // (chunk bytes, message bytes) -> busbw GB/s
 using bw_table = std::map<std::pair<size_t, size_t>, double>;
 
-/// `protocol`: the nodes' CMESH_COLL_BULK.
+/// `env`: what the nodes get besides the job's own variables.
 std::string run_bw(const std::vector<size_t>& chunks, size_t small_max, int64_t spin, bool phases,
-                   bool verbose, const std::string& protocol, bw_table& out,
-                   std::string& phase_line) {
+                   bool verbose, const std::vector<std::pair<std::string, std::string>>& env,
+                   bw_table& out, std::string& phase_line) {
   std::string list;
   for (auto c : chunks)
     list += (list.empty() ? "" : ",") + std::to_string(c);
   job jb(2, {"bw", list, std::to_string(small_max), std::to_string(spin), phases ? "1" : "0"},
-         verbose, {{"CMESH_COLL_BULK", protocol}});
+         verbose, env);
   auto done = jb.await(0, "done", 170s);
   for (auto& r : jb.coord.reports()) {
     if (r.rank == 0 && r.key == "phases") {
@@ -830,7 +831,14 @@ int driver(const driver_opts& o) {
   std::vector<double> memcpys;
   std::vector<anchors> anchor_runs;
   auto cmesh_key = [](size_t chunk) { return "cmesh/" + std::to_string(chunk); };
-  const std::string rndv_key = "cmesh_rendezvous";
+  struct ucx_path {
+    std::string key, label;
+    std::vector<std::pair<std::string, std::string>> env;
+  };
+  const std::vector<ucx_path> ucx_paths{
+    {"cmesh_ucx_eager", "UCX eager (CMESH_COLL_SHM_RING=0)", {{"CMESH_COLL_SHM_RING", "0"}}},
+    {"cmesh_ucx_rendezvous", "UCX rendezvous (CMESH_COLL_SHM_RING=0 CMESH_COLL_BULK=rendezvous)",
+     {{"CMESH_COLL_SHM_RING", "0"}, {"CMESH_COLL_BULK", "rendezvous"}}}};
   const std::string anchor_path = find_anchors(o.anchors);
   for (int round = 1; round <= o.rounds; ++round) {
     auto& mine = per_round.emplace_back();
@@ -840,8 +848,7 @@ int driver(const driver_opts& o) {
     bw_table bw;
     auto t0 = mono_ns();
     std::string phase_line;
-    auto bw_err =
-      run_bw(chunks, o.small_max, o.spin, o.phases, o.verbose, "eager", bw, phase_line);
+    auto bw_err = run_bw(chunks, o.small_max, o.spin, o.phases, o.verbose, {}, bw, phase_line);
     if (!phase_line.empty())
       std::printf("  round %d: phases: %s\n", round, phase_line.c_str());
     std::printf("  round %d: cmesh all_reduce done in %.1f s%s%s\n", round, secs(t0),
@@ -852,19 +859,21 @@ int driver(const driver_opts& o) {
       keep_best(best, cmesh_key(k.first), k.second, v);
       mine[{cmesh_key(k.first), k.second}] = v;
     }
-    // The same job with rendezvous (the receiver pulls through CMA), default chunk only.
-    bw_table rv;
-    t0 = mono_ns();
-    std::string unused;
-    auto rv_err = run_bw({default_chunk}, o.small_max, o.spin, false, o.verbose, "rendezvous",
-                         rv, unused);
-    std::printf("  round %d: cmesh all_reduce, rendezvous protocol, done in %.1f s%s%s\n", round,
-                secs(t0), rv_err.empty() ? "" : ": ERROR ", rv_err.c_str());
-    std::fflush(stdout);
-    failures += !rv_err.empty();
-    for (auto& [k, v] : rv) {
-      keep_best(best, rndv_key, k.second, v);
-      mine[{rndv_key, k.second}] = v;
+    // The same job on the UCX paths the shared-memory ring replaces, default chunk only.
+    for (auto& path : ucx_paths) {
+      bw_table rv;
+      t0 = mono_ns();
+      std::string unused;
+      auto rv_err =
+        run_bw({default_chunk}, o.small_max, o.spin, false, o.verbose, path.env, rv, unused);
+      std::printf("  round %d: cmesh all_reduce, %s, done in %.1f s%s%s\n", round,
+                  path.label.c_str(), secs(t0), rv_err.empty() ? "" : ": ERROR ", rv_err.c_str());
+      std::fflush(stdout);
+      failures += !rv_err.empty();
+      for (auto& [k, v] : rv) {
+        keep_best(best, path.key, k.second, v);
+        mine[{path.key, k.second}] = v;
+      }
     }
     if (o.no_anchors)
       continue;
@@ -914,9 +923,10 @@ int driver(const driver_opts& o) {
   std::printf("\n# best of %d round(s)\n", o.rounds);
   for (size_t cnt : sizes)
     std::printf("cmesh %zu busbw %s\n", cnt * 4, num(get(cmesh_key(default_chunk), cnt * 4)).c_str());
-  for (size_t cnt : sizes)
-    if (auto v = get(rndv_key, cnt * 4))
-      std::printf("cmesh_rendezvous %zu busbw %.2f\n", cnt * 4, *v);
+  for (auto& path : ucx_paths)
+    for (size_t cnt : sizes)
+      if (auto v = get(path.key, cnt * 4))
+        std::printf("%s %zu busbw %.2f\n", path.key.c_str(), cnt * 4, *v);
   for (const char* peer : {"openmpi", "gloo"})
     for (size_t cnt : sizes)
       if (auto v = get(peer, cnt * 4))
@@ -931,12 +941,12 @@ int driver(const driver_opts& o) {
   // -- per-round figures: how noisy this machine was ---------------------------------------
   if (o.rounds > 1) {
     std::printf("\nper round, busbw GB/s (r1/r2/...)\n");
-    std::printf("%-8s %-24s %-24s %-24s %-24s\n", "size", "cmesh", "cmesh rendezvous", "openmpi",
-                "gloo");
+    std::printf("%-8s %-20s %-20s %-20s %-20s %-20s\n", "size", "cmesh", "cmesh ucx eager",
+                "cmesh ucx rndv", "openmpi", "gloo");
     for (size_t cnt : sizes) {
       std::string line = fmt::format("{:<8}", size_label(cnt * 4));
-      for (std::string peer : {cmesh_key(default_chunk), rndv_key, std::string("openmpi"),
-                               std::string("gloo")}) {
+      for (std::string peer : {cmesh_key(default_chunk), ucx_paths[0].key, ucx_paths[1].key,
+                               std::string("openmpi"), std::string("gloo")}) {
         std::string cell;
         for (auto& r : per_round) {
           auto i = r.find({peer, cnt * 4});
@@ -988,16 +998,20 @@ int driver(const driver_opts& o) {
               " (%.2f GB/s) from 4 MiB: %d/%d rows PASS\n",
               mc, rows_pass, rows);
 
-  // -- protocol ------------------------------------------------------------------------
-  std::printf("\nbulk protocol, busbw GB/s, best of %d round(s), chunk %s: eager (the default:"
-              " copied through the receiver's shared receive buffers) against rendezvous (the"
-              " receiver pulls with CMA)\n",
-              o.rounds, chunk_label(default_chunk).c_str());
-  std::printf("%-8s %8s %10s %8s\n", "size", "eager", "rendezvous", "ratio");
+  // -- paths ---------------------------------------------------------------------------
+  std::printf("\npaths, busbw GB/s, best of %d round(s), chunk %s: the default (two members: the"
+              " shared-memory ring above %s, UCX eager below) against the UCX ring it replaces,"
+              " eager (copied through UCX's shared receive queue) and rendezvous (the receiver"
+              " pulls with CMA)\n",
+              o.rounds, chunk_label(default_chunk).c_str(), chunk_label(o.small_max).c_str());
+  std::printf("%-8s %8s %10s %10s %10s %10s\n", "size", "default", "ucx eager", "ucx rndv",
+              "/eager", "/rndv");
   for (size_t cnt : sizes) {
-    auto e = get(cmesh_key(default_chunk), cnt * 4), r = get(rndv_key, cnt * 4);
-    std::printf("%-8s %8s %10s %8s\n", size_label(cnt * 4).c_str(), num(e).c_str(), num(r).c_str(),
-                num(ratio(e, r)).c_str());
+    auto d = get(cmesh_key(default_chunk), cnt * 4);
+    auto e = get(ucx_paths[0].key, cnt * 4), r = get(ucx_paths[1].key, cnt * 4);
+    std::printf("%-8s %8s %10s %10s %10s %10s\n", size_label(cnt * 4).c_str(), num(d).c_str(),
+                num(e).c_str(), num(r).c_str(), num(ratio(d, e)).c_str(),
+                num(ratio(d, r)).c_str());
   }
 
   // -- chunk sweep ---------------------------------------------------------------------

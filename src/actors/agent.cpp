@@ -167,6 +167,9 @@ struct agent::impl {
     h.spin_before_yield = 1;
     h.sleep_when_idle = std::chrono::milliseconds(2);
     h.idle_polls_before_sleep = 100;
+    // It broadcasts (and the shared-memory ring would sleep through its
+    // slices: nothing wakes the worker's descriptor for it).
+    h.shared_memory_ring = false;
     return h;
   }
 };

@@ -1,4 +1,5 @@
 #include "collectives/host/host_communicator.hpp"
+#include "collectives/host/shm_ring.hpp"
 
 #include <algorithm>
 
@@ -124,6 +125,10 @@ std::string host_context::address() const {
 namespace {
 
 constexpr uint64_t slot_bits = 18;
+// The two-member shared-memory ring: chunks in flight ahead of those
+// received, and slots per ring (see shm_exchange).
+constexpr size_t shm_ring_window = 2;
+constexpr size_t shm_ring_slots = 4 * shm_ring_window;
 constexpr uint64_t src_bits = 14;
 constexpr uint64_t op_bits = 16;
 constexpr uint64_t epoch_bits = 16;
@@ -215,6 +220,8 @@ public:
 
   void abort(caf::error reason) override { latch_.request_abort(std::move(reason)); }
 
+  bool shm() const { return shm_; }
+
   caf::error poisoned() const override { return latch_.poisoned(); }
 
   void note_ep_error(size_t peer, ucs_status_t st) {
@@ -265,6 +272,39 @@ private:
                                  const std::vector<span_el>& blocks, dtype t, reduce_op op);
   caf::error ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t);
   caf::error chain_broadcast(uint8_t* buf, size_t count, dtype t, size_t root);
+  // The shared-memory ring of a two-member communicator (shm_ring.hpp).
+  caf::error connect_shm();
+  template <class Source, class Sink>
+  caf::error shm_exchange(uint64_t phase, size_t nchunks, Source&& source, Sink&& sink);
+  caf::error shm_reduce_scatter(const uint8_t* in, uint8_t* out_own,
+                                const std::vector<span_el>& blocks, dtype t, reduce_op op);
+  caf::error shm_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t);
+  caf::error shm_all_reduce(uint8_t* buf, const std::vector<span_el>& blocks, dtype t,
+                            reduce_op op);
+  /// A ring message's tag: the operation, the phase (1 reduce-scatter, 2
+  /// all-gather) and the chunk.
+  uint64_t shm_tag(uint64_t phase, size_t c) const { return (tag_op_ << 40) | (phase << 32) | c; }
+  /// Chunks per block of a two-member split (the larger block's; at least one).
+  size_t shm_chunks(const std::vector<span_el>& blocks, dtype t) const {
+    const size_t ce = chunk_elems(t);
+    return std::max<size_t>(1, (std::max(blocks[0].count, blocks[1].count) + ce - 1) / ce);
+  }
+  /// One turn of a shared-memory loop: spins while messages move, else
+  /// counts as idle; checks failures, the abort flag and the deadline.
+  caf::error shm_poll(bool moved) {
+    if (moved)
+      idle_polls_ = 0;
+    else
+      waiting_on_ = 1 - me_;
+    return progress();
+  }
+  /// A ring message of `bytes` where `want` were due: malformed.
+  static caf::error shm_size_check(size_t bytes, size_t want) {
+    if (bytes == want)
+      return {};
+    return make_error(errc::malformed_frame,
+                      fmt::format("shared-memory ring: a chunk of {} bytes, {} due", bytes, want));
+  }
   size_t chunk_elems(dtype t) const { return std::max<size_t>(1, opts_.chunk_bytes / size_of(t)); }
   uint8_t* staging(size_t bytes);
 
@@ -276,6 +316,9 @@ private:
   host_options opts_;
   std::vector<ucp_ep_h> eps_;
   std::vector<void*> closing_;
+  shm_ring rx_ring_; // the peer writes, this member reads
+  shm_ring tx_ring_; // this member writes into the peer's
+  bool shm_ = false;
 
   uint64_t op_seq_ = 0;
   uint64_t tag_op_ = 0;
@@ -326,6 +369,58 @@ caf::error host_comm::connect(const std::vector<std::string>& addresses) {
     ep.err_handler.arg = arg.get();
     ep_args().push_back(std::move(arg));
     UCS_CHECK(ucp_ep_create(worker(), &ep, &eps_[i]));
+  }
+  if (n() == 2 && opts_.shared_memory_ring && env_string("CMESH_COLL_SHM_RING") != "0")
+    return connect_shm();
+  return {};
+}
+
+caf::error host_comm::connect_shm() {
+  // Both members learn whether both directions work, so both pick the same
+  // path: a process of another host (or namespace) fails to attach.
+  const size_t peer = 1 - me_;
+  // Every dtype's chunk fits: chunk_elems(t) x size_of(t) <= chunk_bytes (or one element).
+  const size_t slot_bytes = std::max<size_t>(opts_.chunk_bytes, 8);
+  int64_t mine[5] = {0, -1, 0, 0, 0}, theirs[5] = {};
+  auto rx = shm_ring::create(shm_ring_slots, slot_bytes);
+  if (rx) {
+    auto where = rx->locator();
+    mine[0] = where.pid;
+    mine[1] = where.fd;
+    mine[2] = static_cast<int64_t>(where.nonce);
+    mine[3] = static_cast<int64_t>(where.slots);
+    mine[4] = static_cast<int64_t>(where.slot_bytes);
+  } else {
+    spdlog::debug("shared-memory ring unavailable: {}", describe(rx.error()));
+  }
+  if (auto e = begin("connect", {opts_.rendezvous_timeout}))
+    return e;
+  isend(peer, mine, sizeof mine, 0);
+  auto e = wait(irecv(peer, theirs, sizeof theirs, 0));
+  int64_t attached = 0, peer_attached = 0;
+  if (!e && theirs[1] >= 0) {
+    shm_ring_locator where{theirs[0], theirs[1], static_cast<uint64_t>(theirs[2]),
+                           static_cast<uint64_t>(theirs[3]), static_cast<uint64_t>(theirs[4])};
+    if (auto tx = shm_ring::attach(where)) {
+      tx_ring_ = std::move(*tx);
+      attached = 1;
+    } else {
+      spdlog::debug("shared-memory ring of rank {} not attached: {}", m_.ranks[peer],
+                    describe(tx.error()));
+    }
+  }
+  if (!e) {
+    isend(peer, &attached, sizeof attached, 1);
+    e = wait(irecv(peer, &peer_attached, sizeof peer_attached, 1));
+  }
+  if (auto f = end(std::move(e)))
+    return f;
+  shm_ = attached == 1 && peer_attached == 1 && rx;
+  if (shm_) {
+    rx_ring_ = std::move(*rx);
+    rx_ring_.close_descriptor(); // mapped by the peer: the mapping keeps it
+  } else {
+    tx_ring_ = shm_ring{};
   }
   return {};
 }
@@ -591,6 +686,8 @@ caf::error host_comm::recursive_doubling(uint8_t* buf, size_t count, dtype t, re
 caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
                                           const std::vector<span_el>& blocks, dtype t,
                                           reduce_op op) {
+  if (shm_)
+    return shm_reduce_scatter(in, out_own, blocks, t, op);
   const size_t es = size_of(t);
   const size_t ce = chunk_elems(t);
   size_t max_block = 0;
@@ -669,6 +766,8 @@ caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
 }
 
 caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t) {
+  if (shm_)
+    return shm_all_gather(out, blocks, t);
   const size_t es = size_of(t);
   const size_t ce = chunk_elems(t);
   size_t max_block = 0;
@@ -727,6 +826,160 @@ caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& 
   return wait_all();
 }
 
+// Two members: each chunk of the peer's block goes into the peer's ring, each
+// chunk of this member's block comes out of its own. At most `window` chunks
+// are sent ahead of those received, so neither ring can hold more than
+// 2 x window messages (a member sends at most window + what it has received;
+// it has received at most what the peer sent): rings of 2 x window slots
+// never make a writer wait on a reader that waits on it.
+template <class Source, class Sink>
+caf::error host_comm::shm_exchange(uint64_t phase, size_t nchunks, Source&& source, Sink&& sink) {
+  const size_t peer = 1 - me_;
+  auto tag_of = [&](size_t c) { return shm_tag(phase, c); };
+  size_t sent = 0, received = 0;
+  while (received < nchunks) {
+    bool moved = false;
+    while (sent < nchunks && sent < received + shm_ring_window) {
+      uint8_t* slot = tx_ring_.reserve();
+      if (slot == nullptr)
+        break;
+      auto [src, bytes] = source(sent);
+      if (bytes > 0)
+        std::memcpy(slot, src, bytes);
+      tx_ring_.publish(tag_of(sent), bytes);
+      ++sent;
+      moved = true;
+    }
+    uint64_t tag = 0;
+    size_t bytes = 0;
+    if (const uint8_t* data = rx_ring_.peek(tag, bytes)) {
+      if (tag != tag_of(received))
+        return make_error(errc::malformed_frame,
+                          fmt::format("{}: shared-memory ring message {:#x} from rank {}, expected {:#x}",
+                                      op_name_, tag, m_.ranks[peer], tag_of(received)));
+      if (auto e = sink(received, data, bytes))
+        return e;
+      rx_ring_.release();
+      ++received;
+      moved = true;
+    }
+    if (auto e = shm_poll(moved))
+      return e;
+  }
+  return {};
+}
+
+caf::error host_comm::shm_reduce_scatter(const uint8_t* in, uint8_t* out_own,
+                                         const std::vector<span_el>& blocks, dtype t,
+                                         reduce_op op) {
+  const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
+  return shm_exchange(
+    1, shm_chunks(blocks, t),
+    [&](size_t c) {
+      auto sc = chunk_of(blocks[peer], c, ce);
+      return std::pair<const uint8_t*, size_t>(in + sc.offset * es, sc.count * es);
+    },
+    [&](size_t c, const uint8_t* data, size_t bytes) -> caf::error {
+      auto rc = chunk_of(blocks[me_], c, ce);
+      if (auto e = shm_size_check(bytes, rc.count * es); e || rc.count == 0)
+        return e;
+      uint8_t* dst = out_own + (rc.offset - blocks[me_].offset) * es;
+      const uint8_t* mine = in + rc.offset * es;
+      if (dst != mine)
+        std::memcpy(dst, mine, bytes);
+      (void)reduce_into(dst, data, rc.count, t, op); // overflow: the sticky marker
+      return {};
+    });
+}
+
+caf::error host_comm::shm_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t) {
+  const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
+  return shm_exchange(
+    2, shm_chunks(blocks, t),
+    [&](size_t c) {
+      auto sc = chunk_of(blocks[me_], c, ce);
+      return std::pair<const uint8_t*, size_t>(out + sc.offset * es, sc.count * es);
+    },
+    [&](size_t c, const uint8_t* data, size_t bytes) -> caf::error {
+      auto rc = chunk_of(blocks[peer], c, ce);
+      if (auto e = shm_size_check(bytes, rc.count * es))
+        return e;
+      if (bytes > 0)
+        std::memcpy(out + rc.offset * es, data, bytes);
+      return {};
+    });
+}
+
+// all_reduce of two members in one stream: each reduced chunk of this
+// member's block goes to the peer as soon as it is summed, while it is still
+// in cache, and the all-gather overlaps the reduce-scatter. Both kinds of
+// message share the ring, each in chunk order; a member handles whatever
+// reaches the head of its ring at once (a sum into its own block, or a copy
+// into the peer's), so reading never waits on writing. A chunk of the
+// peer's block is sent (as this member's contribution) before the peer's
+// sum of it can arrive: the peer sums it only after reading it.
+caf::error host_comm::shm_all_reduce(uint8_t* buf, const std::vector<span_el>& blocks, dtype t,
+                                     reduce_op op) {
+  const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
+  const size_t nchunks = shm_chunks(blocks, t);
+  constexpr uint64_t rs = 1, ag = 2;
+  auto tag_of = [&](uint64_t phase, size_t c) { return shm_tag(phase, c); };
+  size_t rs_sent = 0, rs_done = 0, ag_sent = 0, ag_done = 0;
+  auto send = [&](uint64_t phase, size_t c, const span_el& block) {
+    uint8_t* slot = tx_ring_.reserve();
+    if (slot == nullptr)
+      return false;
+    auto ch = chunk_of(block, c, ce);
+    if (ch.count > 0)
+      std::memcpy(slot, buf + ch.offset * es, ch.count * es);
+    tx_ring_.publish(tag_of(phase, c), ch.count * es);
+    return true;
+  };
+  while (rs_done < nchunks || ag_done < nchunks || ag_sent < nchunks) {
+    bool moved = false;
+    // Sums first (they are in cache), then contributions up to the window.
+    while (ag_sent < rs_done && send(ag, ag_sent, blocks[me_])) {
+      ++ag_sent;
+      moved = true;
+    }
+    while (rs_sent < nchunks && rs_sent < rs_done + shm_ring_window
+           && send(rs, rs_sent, blocks[peer])) {
+      ++rs_sent;
+      moved = true;
+    }
+    uint64_t tag = 0;
+    size_t bytes = 0;
+    if (const uint8_t* data = rx_ring_.peek(tag, bytes)) {
+      const bool is_rs = rs_done < nchunks && tag == tag_of(rs, rs_done);
+      const bool is_ag = ag_done < nchunks && tag == tag_of(ag, ag_done);
+      if (!is_rs && !is_ag)
+        return make_error(errc::malformed_frame,
+                          fmt::format("all_reduce: shared-memory ring message {:#x} from rank {},"
+                                      " expected {:#x} or {:#x}",
+                                      tag, m_.ranks[peer], tag_of(rs, rs_done), tag_of(ag, ag_done)));
+      auto ch = chunk_of(blocks[is_rs ? me_ : peer], is_rs ? rs_done : ag_done, ce);
+      if (auto e = shm_size_check(bytes, ch.count * es))
+        return e;
+      if (ch.count > 0) {
+        uint8_t* dst = buf + ch.offset * es;
+        if (is_rs) {
+          (void)reduce_into(dst, data, ch.count, t, op); // overflow: the sticky marker
+          if (op == reduce_op::avg)
+            scale_down(dst, ch.count, t, n());
+        } else {
+          std::memcpy(dst, data, bytes);
+        }
+      }
+      rx_ring_.release();
+      ++(is_rs ? rs_done : ag_done);
+      moved = true;
+    }
+    if (auto e = shm_poll(moved))
+      return e;
+  }
+  return {};
+}
+
 caf::error host_comm::chain_broadcast(uint8_t* buf, size_t count, dtype t, size_t root) {
   const size_t es = size_of(t);
   const size_t bytes = count * es;
@@ -783,11 +1036,15 @@ caf::error host_comm::all_reduce(void* buf, size_t count, dtype t, reduce_op op,
     } else {
       auto blocks = blocks_of(even_split(count, n()));
       auto own = blocks[me_];
-      e = ring_reduce_scatter(b, b + own.offset * size_of(t), blocks, t, op);
-      if (!e && op == reduce_op::avg)
-        scale_down(b + own.offset * size_of(t), own.count, t, n());
-      if (!e)
-        e = ring_all_gather(b, blocks, t);
+      if (shm_) {
+        e = shm_all_reduce(b, blocks, t, op);
+      } else {
+        e = ring_reduce_scatter(b, b + own.offset * size_of(t), blocks, t, op);
+        if (!e && op == reduce_op::avg)
+          scale_down(b + own.offset * size_of(t), own.count, t, n());
+        if (!e)
+          e = ring_all_gather(b, blocks, t);
+      }
     }
   } else if (op == reduce_op::avg) {
     scale_down(b, count, t, n());
@@ -883,6 +1140,11 @@ caf::error host_comm::barrier(const op_options& o) {
 } // namespace
 
 // -- construction ------------------------------------------------------------------
+
+bool uses_shared_memory_ring(const communicator& c) {
+  auto* h = dynamic_cast<const host_comm*>(&c);
+  return h != nullptr && h->shm();
+}
 
 expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, const std::vector<std::string>& addresses,

@@ -48,6 +48,10 @@ struct host_options {
   /// step, beside training that needs the cores).
   std::chrono::milliseconds sleep_when_idle{0};
   int64_t idle_polls_before_sleep = 2000;
+  /// A two-member communicator whose members share a host moves the ring's
+  /// chunks through a shared-memory ring of its own (4 chunk-sized slots
+  /// per member) instead of UCX. CMESH_COLL_SHM_RING=0 turns it off.
+  bool shared_memory_ring = true;
   std::chrono::milliseconds rendezvous_timeout{30000};
 };
 
@@ -109,9 +113,14 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
   peer_status status, host_options opts = {});
 
+/// Whether `c` is a host communicator whose ring runs through the
+/// shared-memory ring (two members on one host, host_options::shared_memory_ring).
+bool uses_shared_memory_ring(const communicator& c);
+
 /// The same from addresses already known (index-aligned with members.ranks;
 /// this rank's entry is ignored). For tests and for callers with their own
-/// rendezvous.
+/// rendezvous. With two members and shared_memory_ring, building is
+/// collective: both members must build at once (they agree on the ring).
 expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, const std::vector<std::string>& addresses,
   peer_status status, host_options opts = {});

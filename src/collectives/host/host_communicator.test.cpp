@@ -54,9 +54,11 @@ TEST_CASE("CMESH_COLL_BULK chooses a context's protocol; a bad value is a typed 
   }
 }
 
-TEST_CASE("both bulk protocols all_reduce across two workers of one process") {
-  for (auto bulk : {bulk_protocol::eager, bulk_protocol::rendezvous}) {
-    CAPTURE(static_cast<int>(bulk));
+TEST_CASE("both bulk protocols and the shared-memory ring all_reduce across two workers of one process") {
+  for (int mode = 0; mode < 3; ++mode) {
+    // eager, rendezvous (both through UCX), and the shared-memory ring
+    auto bulk = mode == 1 ? bulk_protocol::rendezvous : bulk_protocol::eager;
+    CAPTURE(mode);
     auto a = host_context::create(0, bulk);
     auto b = host_context::create(1, bulk);
     REQUIRE(a);
@@ -66,10 +68,17 @@ TEST_CASE("both bulk protocols all_reduce across two workers of one process") {
     auto alive = [](uint32_t) { return caf::error{}; };
     host_options o;
     o.chunk_bytes = 64 * 1024; // several chunks in flight
+    o.shared_memory_ring = mode == 2;
+    // Building a two-member communicator is collective (the members agree
+    // on the shared-memory ring): both at once.
+    expected<std::unique_ptr<communicator>> cb = caf::error{};
+    std::thread tb([&] { cb = make_host_communicator(*b, m, addresses, alive, o); });
     auto ca = make_host_communicator(*a, m, addresses, alive, o);
-    auto cb = make_host_communicator(*b, m, addresses, alive, o);
+    tb.join();
     REQUIRE(ca);
     REQUIRE(cb);
+    CHECK(uses_shared_memory_ring(**ca) == (mode == 2));
+    CHECK(uses_shared_memory_ring(**cb) == (mode == 2));
     // Sizes around the fragment (32 KiB), the small-message bound and the chunk.
     for (size_t count : {size_t{1}, size_t{8191}, size_t{8193}, size_t{40000}, size_t{300001}}) {
       CAPTURE(count);
@@ -116,7 +125,9 @@ TEST_CASE("a context moves to a fresh worker after a failed communicator or a lo
   // A communicator that fails (here: aborted) taints its context.
   auto alive = [](uint32_t) { return caf::error{}; };
   std::vector<std::string> addresses{ctx.address(), (*b)->address()};
-  auto c = make_host_communicator(*a, {4, {0, 1}}, addresses, alive);
+  host_options o;
+  o.shared_memory_ring = false; // no collective handshake: only one member is made
+  auto c = make_host_communicator(*a, {4, {0, 1}}, addresses, alive, o);
   REQUIRE(c);
   (*c)->abort(make_error(errc::aborted, "test"));
   std::vector<float> x(16, 1.0f);
