@@ -737,8 +737,9 @@ caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
       // The block received at the last step is this member's own. In place
       // (all_reduce), the sum goes straight into it: one pass, not a
       // reduction into the staging slot and a copy out of it.
-      uint8_t* own_dst = out_own + (rc.offset - blocks[me_].offset) * es;
-      const bool in_place = last && own_dst == in + rc.offset * es;
+      uint8_t* own_dst =
+        last && rc.count > 0 ? out_own + (rc.offset - blocks[me_].offset) * es : nullptr;
+      const bool in_place = own_dst != nullptr && own_dst == in + rc.offset * es;
       if (in_place)
         (void)reduce_into(own_dst, L.slot_recv, rc.count, t, op);
       else
