@@ -118,7 +118,11 @@ struct agent::impl {
     }
     return coll::host_context::create(o.rank, coll::bulk_protocol::eager);
   }
+  /// After a clean session only: its peer is done with the context (the
+  /// stream's end marker was the last message), so the next session, with
+  /// another peer, needs no fresh worker.
   void give_back_catchup_ctx(std::shared_ptr<coll::host_context> c) {
+    c->quiesced();
     std::lock_guard lk(mu);
     if (!spare_catchup_ctx)
       spare_catchup_ctx = std::move(c);

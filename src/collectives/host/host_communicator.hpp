@@ -94,6 +94,10 @@ public:
   /// worker. The coordinator and subcommunicator paths call it; a caller
   /// exchanging addresses itself calls it before address().
   caf::error prepare(const membership& next);
+  /// Every member of the last communicator is known to be done with it
+  /// (an exchange that ended cleanly on both sides): a later membership
+  /// without them needs no fresh worker. A failure since still does.
+  void quiesced();
   /// How many times prepare() moved to a fresh worker.
   uint64_t renewals() const;
 

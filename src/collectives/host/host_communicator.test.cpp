@@ -121,6 +121,10 @@ TEST_CASE("a context moves to a fresh worker after a failed communicator or a lo
   REQUIRE_FALSE(ctx.prepare({4, {0, 1}})); // a member comes back: nothing to drop
   REQUIRE_FALSE((*b)->prepare({4, {0, 1}}));
   CHECK(ctx.renewals() == 1);
+  ctx.quiesced(); // both were done with it: dropping member 1 needs no fresh worker
+  REQUIRE_FALSE(ctx.prepare({5, {0}}));
+  CHECK(ctx.renewals() == 1);
+  REQUIRE_FALSE(ctx.prepare({4, {0, 1}}));
 
   // A communicator that fails (here: aborted) taints its context.
   auto alive = [](uint32_t) { return caf::error{}; };
@@ -133,7 +137,7 @@ TEST_CASE("a context moves to a fresh worker after a failed communicator or a lo
   std::vector<float> x(16, 1.0f);
   auto e = (*c)->all_reduce(x.data(), x.size(), dtype::float32, reduce_op::sum);
   CHECK(code_of(e) == errc::aborted);
-  REQUIRE_FALSE(ctx.prepare({5, {0, 1}}));
+  REQUIRE_FALSE(ctx.prepare({6, {0, 1}}));
   CHECK(ctx.renewals() == 2);
   // The failed communicator still holds its own worker and closes cleanly.
   CHECK(code_of((*c)->poisoned()) == errc::aborted);
