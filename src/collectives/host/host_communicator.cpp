@@ -14,7 +14,9 @@
 
 #include <atomic>
 #include <cstring>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 
 namespace cmesh::coll {
 
@@ -34,13 +36,81 @@ struct host_context::impl {
   std::vector<uint32_t> last_ranks;
   std::atomic<bool> tainted{false};
   uint64_t renewals = 0;
+  // The next worker, made ahead on a thread of its own (a UCP context costs
+  // 10-30 ms of CPU), so that a renewal after a failure is a swap.
+  std::thread spare_maker;
+  std::shared_ptr<ucx::worker_handle> spare; // set by spare_maker
+  std::condition_variable spare_cv;
+  bool closing = false;
 
-  caf::error make_worker() {
+  ~impl() {
+    {
+      std::lock_guard<std::mutex> g(renewal_mu);
+      closing = true;
+    }
+    spare_cv.notify_all();
+    if (spare_maker.joinable())
+      spare_maker.join();
+  }
+
+  expected<std::shared_ptr<ucx::worker_handle>> new_worker() const {
     auto w = std::make_shared<ucx::worker_handle>();
     if (auto err = w->init("cmesh-coll-" + std::to_string(rank), config))
       return err;
+    return w;
+  }
+
+  caf::error make_worker() {
+    auto w = new_worker();
+    if (!w)
+      return w.error();
     std::lock_guard<std::mutex> g(renewal_mu);
-    ucx = std::move(w);
+    ucx = std::move(*w);
+    return {};
+  }
+
+  /// After `delay`: not at once after a renewal, where the other
+  /// survivors rebuild their communicators on the same cores.
+  void make_spare_ahead(std::chrono::milliseconds delay) {
+    spare_maker = std::thread([this, delay] {
+      {
+        std::unique_lock<std::mutex> lk(renewal_mu);
+        if (spare_cv.wait_for(lk, delay, [this] { return closing; }))
+          return;
+      }
+      auto w = new_worker(); // on failure, the renewal makes one itself
+      std::lock_guard<std::mutex> g(renewal_mu);
+      if (w)
+        spare = std::move(*w);
+    });
+  }
+
+  /// Moves to the spare if it was made, else to a worker made now; then
+  /// starts on the next spare.
+  caf::error renew() {
+    {
+      std::lock_guard<std::mutex> g(renewal_mu);
+      closing = true; // a maker still waiting gives up: this renewal makes its own
+    }
+    spare_cv.notify_all();
+    if (spare_maker.joinable())
+      spare_maker.join();
+    {
+      std::lock_guard<std::mutex> g(renewal_mu);
+      closing = false;
+    }
+    std::shared_ptr<ucx::worker_handle> next;
+    {
+      std::lock_guard<std::mutex> g(renewal_mu);
+      next = std::exchange(spare, nullptr);
+    }
+    if (next) {
+      std::lock_guard<std::mutex> g(renewal_mu);
+      ucx = std::move(next);
+    } else if (auto err = make_worker()) {
+      return err;
+    }
+    make_spare_ahead(std::chrono::seconds(2));
     return {};
   }
 
@@ -82,6 +152,7 @@ expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank,
     I.config.emplace_back("RNDV_THRESH", "inf");
   if (auto err = I.make_worker())
     return err;
+  I.make_spare_ahead(std::chrono::milliseconds(0));
   return ctx;
 }
 
@@ -94,7 +165,7 @@ caf::error host_context::prepare(const membership& next) {
       renew |= std::find(next.ranks.begin(), next.ranks.end(), r) == next.ranks.end();
   }
   if (renew) {
-    if (auto err = I.make_worker())
+    if (auto err = I.renew())
       return err;
     std::lock_guard<std::mutex> g(I.renewal_mu);
     ++I.renewals;
