@@ -230,9 +230,9 @@ void check_ops(node& nd, communicator& comm, checker& ck, uint64_t seed, size_t 
 
 int run_ops(node& nd, uint64_t seed, size_t big) {
   auto comm = nd.make(nd.everyone(1));
-  nd.report("path", coll::uses_shared_memory_ring(*comm) ? "shm" : "ucx");
   checker ck{nd};
   check_ops(nd, *comm, ck, seed, big);
+  nd.report("path", coll::uses_shared_memory_ring(*comm) ? "shm" : "ucx");
   nd.report("ops", ck.failure.empty() ? fmt::format("ok {}", ck.checks) : "FAIL " + ck.failure);
   return ck.failure.empty() ? 0 : 1;
 }

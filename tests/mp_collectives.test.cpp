@@ -22,14 +22,14 @@ TEST_CASE("every operation, dtype and size matches a serial reference") {
     std::string big = n == 2 ? std::to_string(16u << 20) : "0";
     h.spawn_all("cmesh_test_coll", {"ops", std::to_string(s), big});
     for (uint32_t r = 0; r < n; ++r) {
-      // Two members of one host take the shared-memory ring; more take UCX.
-      auto path = h.report(r, "path", 60s);
-      REQUIRE(path);
-      CHECK(path->value == (n == 2 ? "shm" : "ucx"));
       auto rep = h.report(r, "ops", 300s);
       REQUIRE(rep);
       INFO("rank " << r << ": " << rep->value);
       CHECK(rep->value.rfind("ok ", 0) == 0);
+      // Two members of one host took the shared-memory ring; more took UCX.
+      auto path = h.report(r, "path", 60s);
+      REQUIRE(path);
+      CHECK(path->value == (n == 2 ? "shm" : "ucx"));
     }
     for (auto& f : h.reports("fatal"))
       FAIL("rank " << f.rank << ": " << f.value);

@@ -205,6 +205,9 @@ constexpr uint64_t slot_bits = 18;
 // received, and slots per ring (see shm_exchange).
 constexpr size_t shm_ring_window = 2;
 constexpr size_t shm_ring_slots = 4 * shm_ring_window;
+// The tag slots of the ring's set-up messages (ring chunks take the low ones).
+constexpr uint64_t shm_slot_locator = (uint64_t{1} << slot_bits) - 1;
+constexpr uint64_t shm_slot_attached = (uint64_t{1} << slot_bits) - 2;
 constexpr uint64_t src_bits = 14;
 constexpr uint64_t op_bits = 16;
 constexpr uint64_t epoch_bits = 16;
@@ -349,7 +352,7 @@ private:
   caf::error ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t);
   caf::error chain_broadcast(uint8_t* buf, size_t count, dtype t, size_t root);
   // The shared-memory ring of a two-member communicator (shm_ring.hpp).
-  caf::error connect_shm();
+  caf::error decide_shm();
   template <class Source, class Sink>
   caf::error shm_exchange(uint64_t phase, size_t nchunks, Source&& source, Sink&& sink);
   caf::error shm_reduce_scatter(const uint8_t* in, uint8_t* out_own,
@@ -394,6 +397,7 @@ private:
   std::vector<void*> closing_;
   shm_ring rx_ring_; // the peer writes, this member reads
   shm_ring tx_ring_; // this member writes into the peer's
+  bool shm_untried_ = false; // the ring is decided at the first ring operation
   bool shm_ = false;
 
   uint64_t op_seq_ = 0;
@@ -446,14 +450,22 @@ caf::error host_comm::connect(const std::vector<std::string>& addresses) {
     ep_args().push_back(std::move(arg));
     UCS_CHECK(ucp_ep_create(worker(), &ep, &eps_[i]));
   }
-  if (n() == 2 && opts_.shared_memory_ring && env_string("CMESH_COLL_SHM_RING") != "0")
-    return connect_shm();
+  shm_untried_ =
+    n() == 2 && opts_.shared_memory_ring && env_string("CMESH_COLL_SHM_RING") != "0";
   return {};
 }
 
-caf::error host_comm::connect_shm() {
-  // Both members learn whether both directions work, so both pick the same
-  // path: a process of another host (or namespace) fails to attach.
+caf::error host_comm::decide_shm() {
+  if (!shm_untried_)
+    return {};
+  shm_untried_ = false;
+  // Inside the first operation that runs the ring (both members run the same
+  // operations, so it is the same one on both sides), not while the
+  // communicator is built: there, a member whose peer never builds (it left
+  // for a newer epoch meanwhile) would wait out the timeout where nothing
+  // can abort it. Both members learn whether both directions work, so both
+  // pick the same path: a process of another host (or namespace) fails to
+  // attach.
   const size_t peer = 1 - me_;
   // Every dtype's chunk fits: chunk_elems(t) x size_of(t) <= chunk_bytes (or one element).
   const size_t slot_bytes = std::max<size_t>(opts_.chunk_bytes, 8);
@@ -469,10 +481,8 @@ caf::error host_comm::connect_shm() {
   } else {
     spdlog::debug("shared-memory ring unavailable: {}", describe(rx.error()));
   }
-  if (auto e = begin("connect", {opts_.rendezvous_timeout}))
-    return e;
-  isend(peer, mine, sizeof mine, 0);
-  auto e = wait(irecv(peer, theirs, sizeof theirs, 0));
+  isend(peer, mine, sizeof mine, shm_slot_locator);
+  auto e = wait(irecv(peer, theirs, sizeof theirs, shm_slot_locator));
   int64_t attached = 0, peer_attached = 0;
   if (!e && theirs[1] >= 0) {
     shm_ring_locator where{theirs[0], theirs[1], static_cast<uint64_t>(theirs[2]),
@@ -486,11 +496,13 @@ caf::error host_comm::connect_shm() {
     }
   }
   if (!e) {
-    isend(peer, &attached, sizeof attached, 1);
-    e = wait(irecv(peer, &peer_attached, sizeof peer_attached, 1));
+    isend(peer, &attached, sizeof attached, shm_slot_attached);
+    e = wait(irecv(peer, &peer_attached, sizeof peer_attached, shm_slot_attached));
   }
-  if (auto f = end(std::move(e)))
-    return f;
+  if (!e)
+    e = wait_all(); // the sends of stack buffers
+  if (e)
+    return e;
   shm_ = attached == 1 && peer_attached == 1 && rx;
   if (shm_) {
     rx_ring_ = std::move(*rx);
@@ -762,6 +774,8 @@ caf::error host_comm::recursive_doubling(uint8_t* buf, size_t count, dtype t, re
 caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
                                           const std::vector<span_el>& blocks, dtype t,
                                           reduce_op op) {
+  if (auto e = decide_shm())
+    return e;
   if (shm_)
     return shm_reduce_scatter(in, out_own, blocks, t, op);
   const size_t es = size_of(t);
@@ -843,6 +857,8 @@ caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
 }
 
 caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t) {
+  if (auto e = decide_shm())
+    return e;
   if (shm_)
     return shm_all_gather(out, blocks, t);
   const size_t es = size_of(t);
@@ -1113,9 +1129,10 @@ caf::error host_comm::all_reduce(void* buf, size_t count, dtype t, reduce_op op,
     } else {
       auto blocks = blocks_of(even_split(count, n()));
       auto own = blocks[me_];
-      if (shm_) {
+      e = decide_shm();
+      if (!e && shm_) {
         e = shm_all_reduce(b, blocks, t, op);
-      } else {
+      } else if (!e) {
         e = ring_reduce_scatter(b, b + own.offset * size_of(t), blocks, t, op);
         if (!e && op == reduce_op::avg)
           scale_down(b + own.offset * size_of(t), own.count, t, n());

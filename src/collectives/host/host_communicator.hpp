@@ -118,13 +118,13 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
   peer_status status, host_options opts = {});
 
 /// Whether `c` is a host communicator whose ring runs through the
-/// shared-memory ring (two members on one host, host_options::shared_memory_ring).
+/// shared-memory ring (two members on one host, host_options::shared_memory_ring);
+/// decided by its first operation that runs the ring, false before.
 bool uses_shared_memory_ring(const communicator& c);
 
 /// The same from addresses already known (index-aligned with members.ranks;
 /// this rank's entry is ignored). For tests and for callers with their own
-/// rendezvous. With two members and shared_memory_ring, building is
-/// collective: both members must build at once (they agree on the ring).
+/// rendezvous.
 expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, const std::vector<std::string>& addresses,
   peer_status status, host_options opts = {});
