@@ -42,6 +42,15 @@ struct host_context::impl {
   std::shared_ptr<ucx::worker_handle> spare; // set by spare_maker
   std::condition_variable spare_cv;
   bool closing = false;
+  // Workers left behind by a renewal, once their last communicator is gone:
+  // destroyed by the spare maker, not on the rebuild's path (10 ms each).
+  std::vector<std::shared_ptr<ucx::worker_handle>> retired;
+
+  void retire(std::shared_ptr<ucx::worker_handle> w) {
+    std::lock_guard<std::mutex> g(renewal_mu);
+    if (w != ucx && w.use_count() == 1)
+      retired.push_back(std::move(w));
+  }
 
   ~impl() {
     {
@@ -78,6 +87,12 @@ struct host_context::impl {
         if (spare_cv.wait_for(lk, delay, [this] { return closing; }))
           return;
       }
+      std::vector<std::shared_ptr<ucx::worker_handle>> old;
+      {
+        std::lock_guard<std::mutex> g(renewal_mu);
+        old.swap(retired);
+      }
+      old.clear();
       auto w = new_worker(); // on failure, the renewal makes one itself
       std::lock_guard<std::mutex> g(renewal_mu);
       if (w)
@@ -277,7 +292,10 @@ public:
       : ctx_(std::move(ctx)), ucx_(ctx_->internals().current()), m_(std::move(m)), me_(me),
         status_(std::move(status)), opts_(opts) {}
 
-  ~host_comm() override { close(); }
+  ~host_comm() override {
+    close();
+    ctx_->internals().retire(std::move(ucx_));
+  }
 
   caf::error connect(const std::vector<std::string>& addresses);
 
