@@ -108,7 +108,7 @@ struct agent::impl {
   /// joiner creates a UCP context (20-80 ms of CPU on these machines) while
   /// training runs beside it. Taken by one session at a time, given back
   /// after a clean end (a failed session's worker may hold a dead peer's
-  /// leftovers, so it is dropped).
+  /// leftovers, so it is dropped: it keeps no spare worker).
   std::shared_ptr<coll::host_context> spare_catchup_ctx;
   expected<std::shared_ptr<coll::host_context>> take_catchup_ctx() {
     {
@@ -116,7 +116,7 @@ struct agent::impl {
       if (spare_catchup_ctx)
         return std::exchange(spare_catchup_ctx, nullptr);
     }
-    return coll::host_context::create(o.rank, coll::bulk_protocol::eager);
+    return coll::host_context::create(o.rank, coll::bulk_protocol::eager, false);
   }
   /// After a clean session only: its peer is done with the context (the
   /// stream's end marker was the last message), so the next session, with
@@ -611,7 +611,7 @@ agent::~agent() {
 
 void agent::start() {
   auto* I = impl_.get();
-  if (auto c = coll::host_context::create(I->o.rank, coll::bulk_protocol::eager))
+  if (auto c = coll::host_context::create(I->o.rank, coll::bulk_protocol::eager, false))
     I->spare_catchup_ctx = std::move(*c);
   else
     spdlog::warn("agent: no spare catch-up context ({}); a catch-up will make its own",

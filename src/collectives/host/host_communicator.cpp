@@ -37,7 +37,9 @@ struct host_context::impl {
   std::atomic<bool> tainted{false};
   uint64_t renewals = 0;
   // The next worker, made ahead on a thread of its own (a UCP context costs
-  // 10-30 ms of CPU), so that a renewal after a failure is a swap.
+  // 10-30 ms of CPU), so that a renewal after a failure is a swap; only for
+  // contexts created with keep_spare_worker.
+  bool keep_spare = true;
   std::thread spare_maker;
   std::shared_ptr<ucx::worker_handle> spare; // set by spare_maker
   std::condition_variable spare_cv;
@@ -52,7 +54,11 @@ struct host_context::impl {
       retired.push_back(std::move(w));
   }
 
-  ~impl() {
+  ~impl() { stop_spare_maker(); }
+
+  /// A maker still waiting out its delay gives up; one making a worker
+  /// finishes it (its spare stays).
+  void stop_spare_maker() {
     {
       std::lock_guard<std::mutex> g(renewal_mu);
       closing = true;
@@ -60,6 +66,8 @@ struct host_context::impl {
     spare_cv.notify_all();
     if (spare_maker.joinable())
       spare_maker.join();
+    std::lock_guard<std::mutex> g(renewal_mu);
+    closing = false;
   }
 
   expected<std::shared_ptr<ucx::worker_handle>> new_worker() const {
@@ -67,15 +75,6 @@ struct host_context::impl {
     if (auto err = w->init("cmesh-coll-" + std::to_string(rank), config))
       return err;
     return w;
-  }
-
-  caf::error make_worker() {
-    auto w = new_worker();
-    if (!w)
-      return w.error();
-    std::lock_guard<std::mutex> g(renewal_mu);
-    ucx = std::move(*w);
-    return {};
   }
 
   /// After `delay`: not at once after a renewal, where the other
@@ -103,29 +102,24 @@ struct host_context::impl {
   /// Moves to the spare if it was made, else to a worker made now; then
   /// starts on the next spare.
   caf::error renew() {
-    {
-      std::lock_guard<std::mutex> g(renewal_mu);
-      closing = true; // a maker still waiting gives up: this renewal makes its own
-    }
-    spare_cv.notify_all();
-    if (spare_maker.joinable())
-      spare_maker.join();
-    {
-      std::lock_guard<std::mutex> g(renewal_mu);
-      closing = false;
-    }
+    stop_spare_maker();
     std::shared_ptr<ucx::worker_handle> next;
     {
       std::lock_guard<std::mutex> g(renewal_mu);
       next = std::exchange(spare, nullptr);
     }
-    if (next) {
+    if (!next) {
+      auto w = new_worker();
+      if (!w)
+        return w.error();
+      next = std::move(*w);
+    }
+    {
       std::lock_guard<std::mutex> g(renewal_mu);
       ucx = std::move(next);
-    } else if (auto err = make_worker()) {
-      return err;
     }
-    make_spare_ahead(std::chrono::seconds(2));
+    if (keep_spare)
+      make_spare_ahead(std::chrono::seconds(2));
     return {};
   }
 
@@ -149,7 +143,8 @@ expected<bulk_protocol> default_bulk_protocol() {
 }
 
 expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank,
-                                                             std::optional<bulk_protocol> bulk) {
+                                                             std::optional<bulk_protocol> bulk,
+                                                             bool keep_spare_worker) {
   if (!bulk) {
     auto b = default_bulk_protocol();
     if (!b)
@@ -165,9 +160,13 @@ expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank,
   I.config = {{"MM_SEG_SIZE", "32k"}, {"MM_RX_BUFS_GROW", "64"}};
   if (*bulk == bulk_protocol::eager)
     I.config.emplace_back("RNDV_THRESH", "inf");
-  if (auto err = I.make_worker())
-    return err;
-  I.make_spare_ahead(std::chrono::milliseconds(0));
+  auto w = I.new_worker();
+  if (!w)
+    return w.error();
+  I.ucx = std::move(*w);
+  I.keep_spare = keep_spare_worker;
+  if (keep_spare_worker)
+    I.make_spare_ahead(std::chrono::milliseconds(0));
   return ctx;
 }
 
@@ -941,12 +940,11 @@ caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& 
 // chunk of this member's block comes out of its own. At most `window` chunks
 // are sent ahead of those received, so neither ring can hold more than
 // 2 x window messages (a member sends at most window + what it has received;
-// it has received at most what the peer sent): rings of 2 x window slots
-// never make a writer wait on a reader that waits on it.
+// it has received at most what the peer sent): rings of at least 2 x window
+// slots (shm_ring_slots) never make a writer wait on a reader that waits on it.
 template <class Source, class Sink>
 caf::error host_comm::shm_exchange(uint64_t phase, size_t nchunks, Source&& source, Sink&& sink) {
   const size_t peer = 1 - me_;
-  auto tag_of = [&](size_t c) { return shm_tag(phase, c); };
   size_t sent = 0, received = 0;
   while (received < nchunks) {
     bool moved = false;
@@ -957,17 +955,17 @@ caf::error host_comm::shm_exchange(uint64_t phase, size_t nchunks, Source&& sour
       auto [src, bytes] = source(sent);
       if (bytes > 0)
         std::memcpy(slot, src, bytes);
-      tx_ring_.publish(tag_of(sent), bytes);
+      tx_ring_.publish(shm_tag(phase, sent), bytes);
       ++sent;
       moved = true;
     }
     uint64_t tag = 0;
     size_t bytes = 0;
     if (const uint8_t* data = rx_ring_.peek(tag, bytes)) {
-      if (tag != tag_of(received))
+      if (tag != shm_tag(phase, received))
         return make_error(errc::malformed_frame,
                           fmt::format("{}: shared-memory ring message {:#x} from rank {}, expected {:#x}",
-                                      op_name_, tag, m_.ranks[peer], tag_of(received)));
+                                      op_name_, tag, m_.ranks[peer], shm_tag(phase, received)));
       if (auto e = sink(received, data, bytes))
         return e;
       rx_ring_.release();
@@ -1034,7 +1032,6 @@ caf::error host_comm::shm_all_reduce(uint8_t* buf, const std::vector<span_el>& b
   const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
   const size_t nchunks = shm_chunks(blocks, t);
   constexpr uint64_t rs = 1, ag = 2;
-  auto tag_of = [&](uint64_t phase, size_t c) { return shm_tag(phase, c); };
   size_t rs_sent = 0, rs_done = 0, ag_sent = 0, ag_done = 0;
   auto send = [&](uint64_t phase, size_t c, const span_el& block) {
     uint8_t* slot = tx_ring_.reserve();
@@ -1043,7 +1040,7 @@ caf::error host_comm::shm_all_reduce(uint8_t* buf, const std::vector<span_el>& b
     auto ch = chunk_of(block, c, ce);
     if (ch.count > 0)
       std::memcpy(slot, buf + ch.offset * es, ch.count * es);
-    tx_ring_.publish(tag_of(phase, c), ch.count * es);
+    tx_ring_.publish(shm_tag(phase, c), ch.count * es);
     return true;
   };
   while (rs_done < nchunks || ag_done < nchunks || ag_sent < nchunks) {
@@ -1061,13 +1058,13 @@ caf::error host_comm::shm_all_reduce(uint8_t* buf, const std::vector<span_el>& b
     uint64_t tag = 0;
     size_t bytes = 0;
     if (const uint8_t* data = rx_ring_.peek(tag, bytes)) {
-      const bool is_rs = rs_done < nchunks && tag == tag_of(rs, rs_done);
-      const bool is_ag = ag_done < nchunks && tag == tag_of(ag, ag_done);
+      const bool is_rs = rs_done < nchunks && tag == shm_tag(rs, rs_done);
+      const bool is_ag = ag_done < nchunks && tag == shm_tag(ag, ag_done);
       if (!is_rs && !is_ag)
         return make_error(errc::malformed_frame,
                           fmt::format("all_reduce: shared-memory ring message {:#x} from rank {},"
                                       " expected {:#x} or {:#x}",
-                                      tag, m_.ranks[peer], tag_of(rs, rs_done), tag_of(ag, ag_done)));
+                                      tag, m_.ranks[peer], shm_tag(rs, rs_done), shm_tag(ag, ag_done)));
       auto ch = chunk_of(blocks[is_rs ? me_ : peer], is_rs ? rs_done : ag_done, ce);
       if (auto e = shm_size_check(bytes, ch.count * es))
         return e;

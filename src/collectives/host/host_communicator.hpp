@@ -75,9 +75,13 @@ expected<bulk_protocol> default_bulk_protocol();
 /// the environment overrides `bulk`.
 class host_context {
 public:
-  /// `bulk` unset: default_bulk_protocol().
+  /// `bulk` unset: default_bulk_protocol(). `keep_spare_worker`: make the
+  /// next worker ahead on a thread of its own (at creation, and 2 s after
+  /// each renewal), so that prepare() after a failure is a swap; off for a
+  /// context that is dropped after a failure rather than renewed.
   static expected<std::shared_ptr<host_context>> create(
-    uint32_t rank, std::optional<bulk_protocol> bulk = std::nullopt);
+    uint32_t rank, std::optional<bulk_protocol> bulk = std::nullopt,
+    bool keep_spare_worker = true);
   ~host_context();
 
   bulk_protocol bulk() const;
