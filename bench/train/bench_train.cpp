@@ -252,8 +252,12 @@ int main(int argc, char** argv) {
   struct layout {
     const char* name;
     int procs, replicas;
+    bool overlap = true; // train.overlap
   };
-  const std::vector<layout> layouts = {{"1x1", 1, 1}, {"2x1", 2, 2}, {"2x2", 4, 2}};
+  const std::vector<layout> layouts = {
+    {"1x1", 1, 1}, {"2x1", 2, 2}, {"2x1, overlap off", 2, 2, false}, {"2x2", 4, 2}};
+  const auto off_path = fmt::format("/tmp/cmesh_bench_train_overlap_{}.toml", getpid());
+  std::ofstream(off_path) << "[train]\noverlap = false\n";
   std::map<std::string, throughput> tp;
   run_out one_by_one;
   fmt::print("## throughput by layout (replica groups x ranks per group)\n\n");
@@ -261,8 +265,8 @@ int main(int argc, char** argv) {
              "comm share of step | GEMM share of step (rank 0) |\n"
              "|---|---|---|---|---|---|---|---|\n");
   for (auto& l : layouts) {
-    auto r = launch(fmt::format("-n {} --replicas {} --steps {} --log-every 1", l.procs,
-                                l.replicas, steps));
+    auto r = launch(fmt::format("-n {} --replicas {} --steps {} --log-every 1{}", l.procs,
+                                l.replicas, steps, l.overlap ? "" : " --config " + off_path));
     auto t = summarise(r.steps, warmup);
     if (r.status != 0 || t.steps == 0) {
       all_ran = false;
@@ -279,6 +283,7 @@ int main(int argc, char** argv) {
     if (std::string(l.name) == "1x1")
       one_by_one = std::move(r);
   }
+  std::remove(off_path.c_str());
   fmt::print("\n");
   if (tp.count("1x1") && tp.count("2x1")) {
     double frac = (tp["2x1"].tokens_per_s / 2) / tp["1x1"].tokens_per_s;
@@ -289,8 +294,11 @@ int main(int argc, char** argv) {
   }
   fmt::print("tokens/s (job) is the global batch's tokens over the step time, as the\n"
              "progress lines print it; per process divides it by the processes. comm is\n"
-             "the first member's time waiting on collectives within the step. 2x2 runs\n"
-             "4 processes on {} cores (for information).\n\n",
+             "the first member's time waiting on collectives within the step. With\n"
+             "train.overlap (the default) each unit's gradient is summed over the groups\n"
+             "on a thread of the trainer's own during the last backward pass; 'overlap\n"
+             "off' sums the whole gradient after it. 2x2 runs 4 processes on {} cores\n"
+             "(for information).\n\n",
              std::thread::hardware_concurrency());
 
   // 2. GEMM inside the step against OpenBLAS alone.
@@ -413,14 +421,15 @@ int main(int argc, char** argv) {
   //   optimizer sharding: whole working weights and gradient, the moments
   //     and (S > 1) the shard's reduced gradient a shard each;
   //   full sharding: the master, the moments and the reduced gradient a
-  //     shard each, plus the largest unit's weights and gradient.
-  auto state_bytes = [&](size_t S, bool full) {
+  //     shard each, plus the largest unit's weights and gradient, twice
+  //     with prefetch (the next unit's gathered, the last one's reduced).
+  auto state_bytes = [&](size_t S, bool full, bool prefetch = true) {
     const double P = static_cast<double>(params), sh = shard_of(S);
     if (S == 1)
       return 4.0 * (4.0 * P);
     if (!full)
       return 4.0 * (2.0 * P + 3.0 * sh);
-    return 4.0 * (4.0 * sh + 2.0 * static_cast<double>(largest_unit));
+    return 4.0 * (4.0 * sh + (prefetch ? 4.0 : 2.0) * static_cast<double>(largest_unit));
   };
   auto window_bytes = [&](size_t S, size_t kept) {
     return 4.0 * static_cast<double>(kept) * shard_of(S);
@@ -429,28 +438,32 @@ int main(int argc, char** argv) {
     const char* name;
     int procs;
     const char* sharding;
+    bool prefetch = true;
     double rss = NAN;
   };
-  std::vector<mem_case> mem = {
-    {"1x1", 1, "optimizer"}, {"1x2 optimizer", 2, "optimizer"}, {"1x2 full", 2, "full"}};
+  std::vector<mem_case> mem = {{"1x1", 1, "optimizer"},
+                               {"1x2 optimizer", 2, "optimizer"},
+                               {"1x2 full", 2, "full"},
+                               {"1x2 full, no overlap", 2, "full", false}};
   fmt::print("| layout, sharding | max RSS per rank MiB (measured) | params+grads+AdamW MiB "
-             "(computed) | replay window MiB ({} updates) | RSS less both | step ms (mean) |\n"
-             "|---|---|---|---|---|---|\n",
+             "(computed) | replay window MiB ({} updates) | RSS less both | step ms (mean) | "
+             "waiting on comm ms (mean) |\n|---|---|---|---|---|---|---|\n",
              window);
   const auto cfg_path = fmt::format("/tmp/cmesh_bench_train_{}.toml", getpid());
   for (auto& c : mem) {
     {
       std::ofstream f(cfg_path);
-      f << mem_model << "sharding = \"" << c.sharding << "\"\n";
+      f << mem_model << "sharding = \"" << c.sharding << "\"\noverlap = "
+        << (c.prefetch ? "true" : "false") << "\n";
     }
-    auto r = launch(fmt::format("-n {} --replicas 1 --config {} --steps {} --log-every 1000",
+    auto r = launch(fmt::format("-n {} --replicas 1 --config {} --steps {} --log-every 1",
                                 c.procs, cfg_path, mem_steps));
     const size_t S = static_cast<size_t>(c.procs);
     const bool full = std::string(c.sharding) == "full";
-    const double st = state_bytes(S, full), win = window_bytes(S, window);
+    const double st = state_bytes(S, full, c.prefetch), win = window_bytes(S, window);
     if (r.status != 0 || r.stats.size() != S) {
       all_ran = false;
-      fmt::print("| {} | run failed (status {}) | {:.1f} | {:.1f} | | |\n", c.name, r.status,
+      fmt::print("| {} | run failed (status {}) | {:.1f} | {:.1f} | | | |\n", c.name, r.status,
                  mib(st), mib(win));
       continue;
     }
@@ -460,9 +473,10 @@ int main(int argc, char** argv) {
       c.rss = std::max(c.rss, s.max_rss_mb);
       per_rank += fmt::format("{}{:.0f}", per_rank.empty() ? "" : " / ", s.max_rss_mb);
     }
-    fmt::print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} |\n", c.name, per_rank, mib(st),
-               mib(win), c.rss - mib(st + win),
-               r.stats.begin()->second.step_ms_total / static_cast<double>(mem_steps));
+    const auto t = summarise(r.steps, 1);
+    fmt::print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.0f} | {:.0f} |\n", c.name, per_rank,
+               mib(st), mib(win), c.rss - mib(st + win),
+               r.stats.begin()->second.step_ms_total / static_cast<double>(mem_steps), t.comm_ms);
   }
   std::remove(cfg_path.c_str());
   fmt::print("\n1x2 / 1x1 per rank, goal \"at 1x2 each rank's parameter and optimizer memory at "
@@ -489,10 +503,14 @@ int main(int argc, char** argv) {
              "window ({} committed updates of a shard each) are sharded. With \"full\" the\n"
              "weights and gradients stream through the group a unit at a time (largest unit\n"
              "here {:.2f} M elements): a rank holds its shard of everything plus one unit's\n"
-             "weights and gradient. 'RSS less both' is the rest: runtime, communicators,\n"
-             "activations, allocator slack. Step ms: rank 0's mean over the run, the first\n"
-             "step included; full sharding gathers the weights twice per micro-batch and\n"
-             "reduce-scatters per micro-batch, unit by unit, without prefetching yet.\n\n",
+             "weights and gradient, two of each with prefetch (train.overlap, the default:\n"
+             "the next unit is gathered and the last one's gradient reduce-scattered on a\n"
+             "thread of the trainer's own while a unit computes). 'RSS less both' is the\n"
+             "rest: runtime, communicators, activations, allocator slack. Step ms: rank 0's\n"
+             "mean over the run, the first step included; full sharding gathers the weights\n"
+             "twice per micro-batch and reduce-scatters per micro-batch, unit by unit.\n"
+             "Waiting on comm: rank 0's time blocked in collectives per step (after the\n"
+             "first step).\n\n",
              replay_window, static_cast<double>(largest_unit) / 1e6);
   return all_ran ? 0 : 1;
 }

@@ -1,5 +1,7 @@
 #include "actors/trainer.hpp"
 
+#include "actors/collective_lane.hpp"
+
 #include "collectives/exact.hpp"
 #include "core/check.hpp"
 #include "core/env.hpp"
@@ -105,6 +107,9 @@ public:
     group_ = group;
     error_ = {};
   }
+  /// The exchanges run on `lane` (nullptr: on the caller's thread), in
+  /// order with the weight stream's collectives on the same communicator.
+  void set_lane(collective_lane* lane) { lane_ = lane; }
   caf::error take_error() { return std::exchange(error_, caf::error{}); }
   /// Max over mean of the rows each rank of the group computed since the
   /// last call (1 when none).
@@ -145,21 +150,27 @@ public:
   bool exchange(const float* in, const std::vector<size_t>& send, float* out,
                 const std::vector<size_t>& recv) override {
     if (!error_)
-      error_ = group_->all_to_allv(in, send, out, recv, coll::dtype::float32);
+      error_ = call([&] { return group_->all_to_allv(in, send, out, recv, coll::dtype::float32); });
     if (error_)
       std::fill(out, out + std::accumulate(recv.begin(), recv.end(), size_t{0}), 0.0f);
     return !error_;
   }
   bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) override {
     if (!error_)
-      error_ = group_->all_to_all(in, out, per_rank, coll::dtype::int64);
+      error_ = call([&] { return group_->all_to_all(in, out, per_rank, coll::dtype::int64); });
     if (error_)
       std::fill(out, out + per_rank * group_->size(), int64_t{0});
     return !error_;
   }
 
 private:
+  template <class F>
+  caf::error call(F&& f) {
+    return lane_ ? lane_->run(std::forward<F>(f)) : f();
+  }
+
   coll::communicator* group_ = nullptr;
+  collective_lane* lane_ = nullptr;
   caf::error error_;
   bool balanced_ = true;
   size_t replicas_ = 0;
@@ -176,16 +187,35 @@ private:
 /// largest unit and stay, so a step allocates nothing and touches no new
 /// page. The first failure latches: later calls skip their collectives and
 /// hand out zeros, and the step is voted down.
+///
+/// With a collective lane the collectives run on the lane's thread while
+/// the model computes: the stream learns the order of the units from the
+/// first micro-batch (every micro-batch fetches the same units in the same
+/// order), and from then on gathers the next unit (after a micro-batch's
+/// last, the next micro-batch's first) into a second buffer as soon as the
+/// current one is fetched; a unit's reduce-scatter runs while
+/// the next unit's backward computes, its gradient buffer alternating with
+/// a second one. So a rank holds two units' weights and two gradients. A
+/// fetch that is not the one foreseen (a model whose order changes) waits
+/// for the gather in flight, gathers what it asked for, and stops
+/// prefetching; every rank foresees the same, so the collectives still
+/// match.
 class weight_stream final : public model::parameter_stream {
 public:
-  void bind(model::model& m, const shard_split& shards, size_t position, bool bf16) {
+  void bind(model::model& m, const shard_split& shards, size_t position, bool bf16,
+            collective_lane* lane = nullptr) {
     model_ = &m;
     shards_ = &shards;
     position_ = position;
     bf16_ = bf16;
+    lane_ = lane;
+    order_.clear();
+    learnt_ = false;
+    foreseen_ = true;
   }
   /// For one step: the group, this rank's fp32 master shard, the sum the
-  /// gradient pieces are added to, and the clock of collective time.
+  /// gradient pieces are added to, and the clock of time spent waiting on
+  /// collectives.
   void reset(coll::communicator* group, std::span<const float> master, std::span<float> sum,
              double* comm_s) {
     group_ = group;
@@ -193,73 +223,166 @@ public:
     sum_ = sum;
     comm_s_ = comm_s;
     error_ = {};
+    pos_ = 0;
   }
-  caf::error take_error() { return std::exchange(error_, caf::error{}); }
+  /// Before each micro-batch's forward_backward; `more`: another one
+  /// follows it in this step (its first unit is gathered ahead too).
+  void begin_micro_batch(bool more) {
+    if (!order_.empty())
+      learnt_ = true;
+    pos_ = 0;
+    more_ = more;
+  }
+  /// Waits for every collective of the step; the first error.
+  caf::error take_error() {
+    if (lane_) {
+      auto e = timed([&] { return lane_->drain(); });
+      if (!error_)
+        error_ = e;
+      ahead_.reset();
+      gticket_ = {0, 0};
+    }
+    return std::exchange(error_, caf::error{});
+  }
+  /// Units fetched, and how many of them had been gathered ahead.
+  std::pair<uint64_t, uint64_t> prefetches() const { return {fetched_, used_}; }
 
   /// Elements [a, b) of the flat layout from the group's masters into
-  /// `out` (b - a floats): units, and at the end of a run the weights'
-  /// hash window by window.
+  /// `out` (b - a floats), on the caller's thread: at the end of a run, the
+  /// weights' hash window by window.
   caf::error gather(size_t a, size_t b, float* out) {
-    const size_t mine = pieces(a, b);
-    const float* in = mine ? master_.data() + (lo_ - shards_->offsets[position_]) : master_.data();
-    if (!bf16_)
-      return timed([&] { return group_->all_gather(in, out, counts_, coll::dtype::float32); });
-    piece16_.resize(mine);
-    unit16_.resize(b - a);
-    kernels::cpu::float_to_bf16(in, piece16_.data(), mine);
-    auto e = timed([&] {
-      return group_->all_gather(piece16_.data(), unit16_.data(), counts_, coll::dtype::bfloat16);
-    });
-    if (!e)
-      kernels::cpu::bf16_to_float(unit16_.data(), out, b - a);
-    return e;
+    pieces(a, b);
+    return timed([&] { return gather_into(group_, a, b, counts_, lo_, out); });
   }
 
   const float* fetch(size_t first, size_t last) override {
+    const std::pair<size_t, size_t> unit{first, last};
+    if (!learnt_) {
+      order_.push_back(unit);
+    } else if (foreseen_ && (pos_ >= order_.size() || order_[pos_] != unit)) {
+      foreseen_ = false;
+      spdlog::warn("trainer: the model fetched its units in another order than in its first "
+                   "micro-batch; weights are no longer gathered ahead");
+    }
+    ++pos_;
+    ++fetched_;
     auto [a, b] = range(first, last);
-    weights_.resize(b - a);
-    if (!error_)
-      error_ = gather(a, b, weights_.data());
-    if (error_)
-      std::fill(weights_.begin(), weights_.end(), 0.0f);
-    return weights_.data();
+    bool have = false;
+    if (ahead_) { // the gather in flight ends before its buffer is touched
+      auto e = timed([&] { return lane_->wait(ahead_->ticket); });
+      if (!error_)
+        error_ = e;
+      if (ahead_->unit == unit) {
+        live_ ^= 1;
+        have = true;
+        ++used_;
+      }
+      ahead_.reset();
+    }
+    auto& w = weights_[live_];
+    if (!have) {
+      w.resize(b - a);
+      if (!error_) {
+        pieces(a, b);
+        auto job = [&] { return gather_into(group_, a, b, counts_, lo_, w.data()); };
+        error_ = timed([&] { return lane_ ? lane_->run(job) : job(); });
+      }
+    }
+    if (error_) {
+      std::fill(w.begin(), w.end(), 0.0f);
+      return w.data();
+    }
+    // The next unit: the next in the order, or the first of the next
+    // micro-batch.
+    const size_t next_pos = pos_ < order_.size() ? pos_ : 0;
+    if (lane_ && learnt_ && foreseen_ && (pos_ < order_.size() || more_)) {
+      const auto next_unit = order_[next_pos];
+      auto [na, nb] = range(next_unit.first, next_unit.second);
+      auto& next = weights_[live_ ^ 1];
+      next.resize(nb - na);
+      pieces(na, nb);
+      ahead_ = ahead{next_unit,
+                     lane_->submit([this, g = group_, na, nb, counts = counts_, lo = lo_,
+                                    out = next.data()] {
+                       return gather_into(g, na, nb, counts, lo, out);
+                     })};
+    }
+    return w.data();
   }
   void release(size_t, size_t) override {}
   float* gradient(size_t first, size_t last) override {
     auto [a, b] = range(first, last);
-    grad_.assign(b - a, 0.0f);
-    return grad_.data();
+    if (gticket_[gcur_] != 0) { // its last reduce-scatter still reads it
+      auto e = timed([&] { return lane_->wait(gticket_[gcur_]); });
+      if (!error_)
+        error_ = e;
+      gticket_[gcur_] = 0;
+    }
+    grad_[gcur_].assign(b - a, 0.0f);
+    return grad_[gcur_].data();
   }
   void reduce(size_t first, size_t last) override {
     if (error_)
       return;
     auto [a, b] = range(first, last);
     const size_t mine = pieces(a, b);
-    piece_.resize(mine);
-    if (bf16_) {
-      unit16_.resize(b - a);
-      piece16_.resize(mine);
-      kernels::cpu::float_to_bf16(grad_.data(), unit16_.data(), b - a);
-      error_ = timed([&] {
-        return group_->reduce_scatter(unit16_.data(), piece16_.data(), counts_,
-                                      coll::dtype::bfloat16, coll::reduce_op::sum);
-      });
-      if (!error_)
-        kernels::cpu::bf16_to_float(piece16_.data(), piece_.data(), mine);
-    } else {
-      error_ = timed([&] {
-        return group_->reduce_scatter(grad_.data(), piece_.data(), counts_, coll::dtype::float32,
-                                      coll::reduce_op::sum);
-      });
-    }
-    if (error_ || mine == 0)
+    float* sum = mine ? sum_.data() + (lo_ - shards_->offsets[position_]) : nullptr;
+    auto job = [this, g = group_, in = grad_[gcur_].data(), n = b - a, counts = counts_, mine,
+                sum] { return reduce_into(g, in, n, counts, mine, sum); };
+    if (!lane_) {
+      error_ = timed(job);
       return;
-    float* sum = sum_.data() + (lo_ - shards_->offsets[position_]);
-    for (size_t i = 0; i < mine; ++i)
-      sum[i] += piece_[i];
+    }
+    gticket_[gcur_] = lane_->submit(std::move(job));
+    gcur_ ^= 1;
   }
 
 private:
+  struct ahead {
+    std::pair<size_t, size_t> unit;
+    collective_lane::ticket ticket;
+  };
+
+  /// The all-gather of [a, b) (`counts` per rank, this rank's piece at
+  /// flat offset `lo`) into `out`. On the lane's thread when there is one:
+  /// the bf16 scratch is its own.
+  caf::error gather_into(coll::communicator* g, size_t a, size_t b,
+                         const std::vector<size_t>& counts, size_t lo, float* out) {
+    const size_t mine = counts[position_];
+    const float* in = mine ? master_.data() + (lo - shards_->offsets[position_]) : master_.data();
+    if (!bf16_)
+      return g->all_gather(in, out, counts, coll::dtype::float32);
+    piece16_.resize(mine);
+    unit16_.resize(b - a);
+    kernels::cpu::float_to_bf16(in, piece16_.data(), mine);
+    auto e = g->all_gather(piece16_.data(), unit16_.data(), counts, coll::dtype::bfloat16);
+    if (!e)
+      kernels::cpu::bf16_to_float(unit16_.data(), out, b - a);
+    return e;
+  }
+  /// The reduce-scatter of a unit's gradient `in` (n floats), this rank's
+  /// piece (`mine` floats) added to `sum`.
+  caf::error reduce_into(coll::communicator* g, const float* in, size_t n,
+                         const std::vector<size_t>& counts, size_t mine, float* sum) {
+    piece_.resize(mine);
+    caf::error e;
+    if (bf16_) {
+      unit16_.resize(n);
+      piece16_.resize(mine);
+      kernels::cpu::float_to_bf16(in, unit16_.data(), n);
+      e = g->reduce_scatter(unit16_.data(), piece16_.data(), counts, coll::dtype::bfloat16,
+                            coll::reduce_op::sum);
+      if (!e)
+        kernels::cpu::bf16_to_float(piece16_.data(), piece_.data(), mine);
+    } else {
+      e = g->reduce_scatter(in, piece_.data(), counts, coll::dtype::float32, coll::reduce_op::sum);
+    }
+    if (e || mine == 0)
+      return e;
+    for (size_t i = 0; i < mine; ++i)
+      sum[i] += piece_[i];
+    return {};
+  }
   std::pair<size_t, size_t> range(size_t first, size_t last) const {
     const auto& ts = model_->tensors();
     CMESH_CHECK(first < last && last <= ts.size());
@@ -289,6 +412,7 @@ private:
   const shard_split* shards_ = nullptr;
   size_t position_ = 0;
   bool bf16_ = false;
+  collective_lane* lane_ = nullptr;
   coll::communicator* group_ = nullptr;
   std::span<const float> master_;
   std::span<float> sum_;
@@ -296,8 +420,74 @@ private:
   caf::error error_;
   std::vector<size_t> counts_;
   size_t lo_ = 0;
-  std::vector<float> weights_, grad_, piece_;
+  // The unit order of a micro-batch (learnt from the first), the position
+  // in it, and whether fetches still follow it.
+  std::vector<std::pair<size_t, size_t>> order_;
+  size_t pos_ = 0;
+  bool learnt_ = false, foreseen_ = true, more_ = false;
+  std::optional<ahead> ahead_; // the gather of the next unit, into weights_[live_ ^ 1]
+  uint64_t fetched_ = 0, used_ = 0;
+  std::array<std::vector<float>, 2> weights_, grad_;
+  size_t live_ = 0, gcur_ = 0;
+  std::array<collective_lane::ticket, 2> gticket_{0, 0}; // reduce-scatters reading grad_
+  // Scratch of the collectives (the lane's thread's when there is one).
+  std::vector<float> piece_;
   std::vector<uint16_t> piece16_, unit16_;
+};
+
+/// Whole weights and one rank per group: each unit's gradient is summed
+/// over everyone on the collective lane as soon as the step's last
+/// micro-batch is done with it (model::gradient_listener), while the
+/// backward pass goes on with the units before it. bf16 runs convert the
+/// unit to bf16 and back around the sum, as the whole-buffer path does.
+/// Every rank reports the same units in the same order, so the lane's
+/// all_reduces match; the units tile the flat buffer (checked by count).
+class unit_reducer final : public model::gradient_listener {
+public:
+  void bind(model::model& m, collective_lane& lane) {
+    model_ = &m;
+    lane_ = &lane;
+  }
+  /// For one step: `grads` summed in place over `comm` (bf16: through
+  /// `wire16`, of the same length), once armed.
+  void reset(coll::communicator* comm, std::span<float> grads, uint16_t* wire16) {
+    comm_ = comm;
+    grads_ = grads;
+    wire16_ = wire16;
+    armed_ = false;
+    covered_ = 0;
+  }
+  /// The next micro-batch is the step's last: its finished units go.
+  void arm() { armed_ = true; }
+  /// Elements handed to the lane this step.
+  size_t covered() const { return covered_; }
+
+  void unit_done(size_t first, size_t last) override {
+    if (!armed_)
+      return;
+    const auto& ts = model_->tensors();
+    CMESH_CHECK(first < last && last <= ts.size());
+    const size_t a = ts[first].offset, n = ts[last - 1].offset + ts[last - 1].size - a;
+    covered_ += n;
+    lane_->submit([c = comm_, g = grads_.data() + a, w = wire16_ ? wire16_ + a : nullptr, n] {
+      if (!w)
+        return c->all_reduce(g, n, coll::dtype::float32, coll::reduce_op::sum);
+      kernels::cpu::float_to_bf16(g, w, n);
+      auto e = c->all_reduce(w, n, coll::dtype::bfloat16, coll::reduce_op::sum);
+      if (!e)
+        kernels::cpu::bf16_to_float(w, g, n);
+      return e;
+    });
+  }
+
+private:
+  model::model* model_ = nullptr;
+  collective_lane* lane_ = nullptr;
+  coll::communicator* comm_ = nullptr;
+  std::span<float> grads_;
+  uint16_t* wire16_ = nullptr;
+  bool armed_ = false;
+  size_t covered_ = 0;
 };
 
 struct trainer::impl {
@@ -319,6 +509,9 @@ struct trainer::impl {
   bool expert_parallel = false;
   bool full = false;                   // full sharding: weights and gradients streamed
   weight_stream stream;
+  std::unique_ptr<collective_lane> lane; // train.overlap: the step's collectives while computing
+  unit_reducer reducer;                // whole weights, S == 1: gradients summed unit by unit
+  bool unit_overlap = false;
   std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
   std::deque<std::pair<uint64_t, std::vector<float>>> recent; // committed updates, oldest first
@@ -580,12 +773,25 @@ expected<train_result> trainer::run() {
     // The model's flat buffers are not used from now on.
     discard_pages(params.data(), params.size());
     discard_pages(grads.data(), grads.size());
-    I.stream.bind(net, I.shards, I.position, I.bf16);
+    if (tc.overlap)
+      I.lane = std::make_unique<collective_lane>();
+    I.stream.bind(net, I.shards, I.position, I.bf16, I.lane.get());
     if (!net.set_parameter_stream(&I.stream))
       return make_error(errc::invalid_argument,
                         "train.sharding = \"full\": the model cannot stream its weights");
-    spdlog::info("trainer: weights and gradients streamed over the {} ranks of the replica group",
-                 S);
+    spdlog::info("trainer: weights and gradients streamed over the {} ranks of the replica group{}",
+                 S, I.lane ? ", the next unit gathered while one computes" : "");
+  }
+  if (!I.full && S == 1 && !tc.exact && tc.overlap) {
+    I.lane = std::make_unique<collective_lane>();
+    I.unit_overlap = net.set_gradient_listener(&I.reducer);
+    if (I.unit_overlap) {
+      I.reducer.bind(net, *I.lane);
+      spdlog::info("trainer: gradients summed over the groups unit by unit during the backward "
+                   "pass");
+    } else {
+      I.lane.reset();
+    }
   }
   train_result result;
   const double t_start = now_s();
@@ -627,6 +833,7 @@ expected<train_result> trainer::run() {
   if (I.group && !tc.exact) {
     I.experts.configure(tc.expert_placement == "balanced", tc.expert_replicas);
     I.experts.reset(I.group);
+    I.experts.set_lane(I.lane.get());
     I.expert_parallel = net.set_expert_exchange(&I.experts);
     if (I.expert_parallel)
       spdlog::info("trainer: experts split over the {} ranks of the replica group", S);
@@ -702,6 +909,11 @@ expected<train_result> trainer::run() {
       std::fill(update.begin(), update.end(), 0.0f);
       I.stream.reset(I.group, master, update, &I.comm_s);
     }
+    if (I.unit_overlap) {
+      if (I.bf16)
+        I.wire16.resize(grads.size());
+      I.reducer.reset(&comm, grads, I.bf16 ? I.wire16.data() : nullptr);
+    }
     // This rank's micro-batches, their gradients (of the loss times
     // `loss_scale`) added up. With the experts split over the group, every
     // rank runs as many micro-batches as the one with the most (the
@@ -715,9 +927,17 @@ expected<train_result> trainer::run() {
           runs = std::max(runs, model::micro_batches_of(micro_total, world / S,
                                                         comm.index() / S, S, q).size());
       }
+      // Summed unit by unit: every rank reports every unit, so a rank
+      // without a micro-batch runs an empty one.
+      if (I.unit_overlap && !latched)
+        runs = std::max<size_t>(runs, 1);
       model::batch empty;
       empty.seq_len = tc.seq_len;
       for (size_t k = 0; k < runs; ++k) {
+        if (I.full)
+          I.stream.begin_micro_batch(k + 1 < runs);
+        if (I.unit_overlap && !latched && k + 1 == runs)
+          I.reducer.arm();
         if (k < mine.size())
           account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k]),
                                        loss_scale));
@@ -732,6 +952,19 @@ expected<train_result> trainer::run() {
           latched = e;
       if (I.sup)
         I.sup->computing(false);
+    };
+    // The unit sums handed to the lane during the last backward pass.
+    auto finish_units = [&] {
+      const double t0 = now_s();
+      auto e = I.lane->drain();
+      I.comm_s += now_s() - t0;
+      if (!e && !latched && I.reducer.covered() != grads.size())
+        e = make_error(errc::invalid_argument,
+                       fmt::format("the model reported finished gradients of {} of its {} "
+                                   "parameters",
+                                   I.reducer.covered(), grads.size()));
+      if (e && !latched)
+        latched = e;
     };
     // Sums every rank's gradient `full` (count elements of t) into this
     // rank's shard `sum`: with one rank per group an all_reduce over
@@ -785,6 +1018,8 @@ expected<train_result> trainer::run() {
       compute(scale);
       if (I.full) {
         reduce(nullptr, 0, update.data(), coll::dtype::float32);
+      } else if (I.unit_overlap) {
+        finish_units(); // summed in place: `update` is `grads`
       } else {
         I.wire16.resize(grads.size());
         kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
@@ -799,7 +1034,10 @@ expected<train_result> trainer::run() {
       kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
     } else {
       compute(1.0f);
-      reduce(grads.data(), grads.size(), update.data(), coll::dtype::float32);
+      if (I.unit_overlap)
+        finish_units();
+      else
+        reduce(grads.data(), grads.size(), update.data(), coll::dtype::float32);
     }
     // The mean gradient over the global batch, clipped by its global norm.
     kernels::cpu::scale_in_place(update.data(), 1.0f / static_cast<float>(micro_total),
@@ -889,6 +1127,10 @@ expected<train_result> trainer::run() {
     tokens_per_step * static_cast<double>(committed_here) / std::max(result.seconds, 1e-9);
   // The hash of the final fp32 weights, from the group's masters.
   if (I.full) {
+    if (I.lane) {
+      auto [fetched, ahead] = I.stream.prefetches();
+      spdlog::info("trainer: {} of {} unit fetches were gathered ahead", ahead, fetched);
+    }
     // Window by window, never the whole buffer at once.
     net.set_parameter_stream(nullptr);
     weight_stream fp32;

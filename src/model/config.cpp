@@ -52,6 +52,15 @@ std::map<std::string, std::map<std::string, setter>> schema() {
       return {};
     };
   };
+  auto bool_key = [](auto field) -> setter {
+    return [=](const toml::node& n, run_config& c) -> std::string {
+      auto v = n.value<bool>();
+      if (!v || n.type() != toml::node_type::boolean)
+        return "must be true or false";
+      field(c) = *v;
+      return {};
+    };
+  };
   auto& m = s["model"];
   m["d_model"] = size_key([](run_config& c) -> size_t& { return c.model.d_model; }, 1);
   m["context"] = size_key([](run_config& c) -> size_t& { return c.model.context; }, 1);
@@ -90,13 +99,8 @@ std::map<std::string, std::map<std::string, setter>> schema() {
     c.train.seed = v;
     return e;
   };
-  t["exact"] = [](const toml::node& n, run_config& c) -> std::string {
-    auto v = n.value<bool>();
-    if (!v || n.type() != toml::node_type::boolean)
-      return "must be true or false";
-    c.train.exact = *v;
-    return {};
-  };
+  t["exact"] = bool_key([](run_config& c) -> bool& { return c.train.exact; });
+  t["overlap"] = bool_key([](run_config& c) -> bool& { return c.train.overlap; });
   t["precision"] = choice_key([](run_config& c) -> std::string& { return c.train.precision; },
                               "fp32", "bf16");
   t["sharding"] = choice_key([](run_config& c) -> std::string& { return c.train.sharding; },

@@ -45,6 +45,13 @@ struct train_config {
   // streams the weights and gradients tensor by tensor (gathered just
   // before use, reduce-scattered and dropped right after: ZeRO-3 / FSDP).
   std::string sharding = "optimizer";
+  // Run the step's collectives on a thread of their own while the model
+  // computes. Full sharding: the next unit's weights are gathered, and the
+  // last unit's gradient reduce-scattered, while a unit computes (one more
+  // unit's weights and gradient held). Whole weights, one rank per group:
+  // each unit's gradient is all-reduced over the groups as soon as the
+  // step's last micro-batch is done with it.
+  bool overlap = true;
   // Experts split over a group's ranks (S > 1, not exact): "balanced"
   // places them per micro-batch by load (the placement solver), with at
   // most expert_replicas extra copies of hot experts; "static" gives each

@@ -41,6 +41,10 @@ file = "x.txt"
   CHECK(full->train.sharding == "full");
   CHECK(full->train.precision == "bf16");
   CHECK(full->train.expert_placement == "balanced"); // the default
+  CHECK(full->train.overlap);                        // the default
+  auto plain = parse_config("[train]\nsharding = \"full\"\noverlap = false\n");
+  REQUIRE(plain);
+  CHECK_FALSE(plain->train.overlap);
   auto placed = parse_config("[train]\nexpert_placement = \"static\"\nexpert_replicas = 3\n");
   REQUIRE(placed);
   CHECK(placed->train.expert_placement == "static");
@@ -72,6 +76,10 @@ TEST_CASE("bad configs give clear errors") {
         != std::string::npos);
   CHECK(err("[train]\nsharding = \"zero3\"\n").find("train.sharding must be") != std::string::npos);
   CHECK(err("[train]\nexact = true\nsharding = \"full\"\n").find("train.sharding = \"optimizer\"")
+        != std::string::npos);
+  CHECK(err("[train]\noverlap = 1\n").find("train.overlap must be true or false")
+        != std::string::npos);
+  CHECK(err("[train]\nexact = \"yes\"\n").find("train.exact must be true or false")
         != std::string::npos);
   CHECK(err("[model\n").find("config:") != std::string::npos);
 }

@@ -103,6 +103,18 @@ public:
   virtual void reduce(size_t first, size_t last) = 0;
 };
 
+/// Whole weights: told, during a micro-batch's backward pass, as soon as a
+/// unit's gradient in gradients() is complete for that micro-batch (the
+/// unit's range then holds its sum over the micro-batches so far and is not
+/// written again by it). Units as for parameter_stream: every micro-batch
+/// reports every unit once, in the same order. The runtime starts a unit's
+/// reduction there while the backward pass goes on.
+class gradient_listener {
+public:
+  virtual ~gradient_listener() = default;
+  virtual void unit_done(size_t first, size_t last) = 0;
+};
+
 class model {
 public:
   virtual ~model() = default;
@@ -130,6 +142,10 @@ public:
   /// both whole in parameters() and gradients()). False when the model
   /// does not support it.
   virtual bool set_parameter_stream(parameter_stream* s) { return s == nullptr; }
+
+  /// Reports finished unit gradients to `l` from now on (nullptr: no
+  /// more). False when the model does not support it.
+  virtual bool set_gradient_listener(gradient_listener* l) { return l == nullptr; }
 
   /// Number of experts per MoE layer, and of MoE layers (0 for dense models).
   virtual size_t experts() const = 0;

@@ -286,6 +286,7 @@ public:
   const layout& at() const { return at_; }
   void set_exchange(expert_exchange* x) { ex_ = x; }
   void set_stream(parameter_stream* s) { ps_ = s; }
+  void set_listener(gradient_listener* l) { gl_ = l; }
   bool streamed() const { return ps_ != nullptr; }
 
   /// Forward, and backward when `g` is not null (adding loss_scale * grads).
@@ -340,8 +341,11 @@ private:
   }
   // The unit's gradient is final for this micro-batch.
   void reduced(unit u) {
-    if (!ps_)
+    if (!ps_) {
+      if (gl_)
+        gl_->unit_done(u.first, u.last);
       return;
+    }
     ps_->reduce(u.first, u.last);
     live_g_ = nullptr;
     release(u);
@@ -759,6 +763,7 @@ private:
   layout at_;
   expert_exchange* ex_ = nullptr;
   parameter_stream* ps_ = nullptr;
+  gradient_listener* gl_ = nullptr;
   unit live_;
   size_t live_begin_ = 0, live_end_ = 0;
   const T* live_w_ = nullptr; // float only: the stream is float
@@ -1086,6 +1091,10 @@ public:
   }
   bool set_parameter_stream(parameter_stream* s) override {
     net_.set_stream(s);
+    return true;
+  }
+  bool set_gradient_listener(gradient_listener* l) override {
+    net_.set_listener(l);
     return true;
   }
 
