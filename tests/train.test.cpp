@@ -200,27 +200,32 @@ TEST_CASE("full sharding: streamed weights and gradients train like whole ones")
 }
 
 TEST_CASE("overlap: gradients summed unit by unit during the backward pass give the same bits") {
-  // Two groups: every element is one sum of two, whatever the pieces, so
-  // summing unit by unit on the collective lane must give the very bits of
-  // the whole-buffer sum after the backward pass, in fp32 and bf16.
+  // Groups of one and of two ranks, two groups: every element is a sum of
+  // two (over the groups; and over the group's ranks, then the groups),
+  // whatever the pieces, so summing unit by unit on the collective lane
+  // must give the very bits of the whole-buffer sums after the backward
+  // pass, in fp32 and bf16. 3 micro-batches: the groups run 2 and 1.
   auto path = "/tmp/cmesh_overlap_" + std::to_string(getpid()) + ".toml";
-  for (const std::string precision : {"fp32", "bf16"}) {
-    CAPTURE(precision);
-    std::vector<std::string> weights;
-    for (const std::string overlap : {"true", "false"}) {
-      {
-        std::ofstream(path) << "[train]\noverlap = " << overlap << "\nprecision = \""
-                            << precision << "\"\nglobal_batch = 12\n";
+  for (int S : {1, 2}) {
+    for (const std::string precision : {"fp32", "bf16"}) {
+      CAPTURE(S);
+      CAPTURE(precision);
+      std::vector<std::string> weights;
+      for (const std::string overlap : {"true", "false"}) {
+        {
+          std::ofstream(path) << "[train]\noverlap = " << overlap << "\nprecision = \""
+                              << precision << "\"\nglobal_batch = 12\n";
+        }
+        auto r = train(layout(2, S) + " --config " + path + " --steps 30 --log-every 10");
+        CHECK((r.output.find("summed over the groups unit by unit") != std::string::npos)
+              == (overlap == "true"));
+        auto ranks = rank_weights(r.output);
+        REQUIRE(ranks.size() == static_cast<size_t>(2 * S));
+        CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
+        weights.push_back(ranks[0]);
       }
-      auto r = train(layout(2, 1) + " --config " + path + " --steps 30 --log-every 10");
-      CHECK((r.output.find("summed over the groups unit by unit") != std::string::npos)
-            == (overlap == "true"));
-      auto ranks = rank_weights(r.output);
-      REQUIRE(ranks.size() == 2);
-      CHECK(ranks[0] == ranks[1]);
-      weights.push_back(ranks[0]);
+      CHECK(weights[0] == weights[1]);
     }
-    CHECK(weights[0] == weights[1]);
   }
   std::remove(path.c_str());
 }

@@ -177,6 +177,22 @@ private:
   std::vector<double> load_;
 };
 
+/// Each rank's piece of the flat range [a, b) under `shards` into `counts`;
+/// returns where the piece of rank `position` starts.
+size_t unit_pieces(const shard_split& shards, size_t a, size_t b, size_t position,
+                   std::vector<size_t>& counts) {
+  counts.resize(shards.counts.size());
+  size_t at = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    const size_t s = shards.offsets[j], e = s + shards.counts[j];
+    const size_t lo = std::max(a, s), hi = std::min(b, e);
+    counts[j] = hi > lo ? hi - lo : 0;
+    if (j == position)
+      at = lo;
+  }
+  return at;
+}
+
 /// Full sharding: the model's weights and gradients stream through the
 /// replica group unit by unit. A unit is a contiguous range [a, b) of the
 /// flat layout; rank j holds its intersection with shard j. fetch
@@ -390,14 +406,7 @@ private:
   }
   /// Each rank's piece of [a, b) into counts_; this rank's starts at lo_.
   size_t pieces(size_t a, size_t b) {
-    counts_.resize(shards_->counts.size());
-    for (size_t j = 0; j < counts_.size(); ++j) {
-      const size_t s = shards_->offsets[j], e = s + shards_->counts[j];
-      const size_t lo = std::max(a, s), hi = std::min(b, e);
-      counts_[j] = hi > lo ? hi - lo : 0;
-      if (j == position_)
-        lo_ = lo;
-    }
+    lo_ = unit_pieces(*shards_, a, b, position_, counts_);
     return counts_[position_];
   }
   template <class F>
@@ -435,27 +444,41 @@ private:
   std::vector<uint16_t> piece16_, unit16_;
 };
 
-/// Whole weights and one rank per group: each unit's gradient is summed
-/// over everyone on the collective lane as soon as the step's last
+/// Whole weights (not exact mode): each unit's gradient is summed over
+/// the groups on the collective lane as soon as the step's last
 /// micro-batch is done with it (model::gradient_listener), while the
-/// backward pass goes on with the units before it. bf16 runs convert the
-/// unit to bf16 and back around the sum, as the whole-buffer path does.
-/// Every rank reports the same units in the same order, so the lane's
-/// all_reduces match; the units tile the flat buffer (checked by count).
+/// backward pass goes on with the units before it. One rank per group: an
+/// all_reduce of the unit over everyone, in place. Groups of several ranks:
+/// a reduce_scatter of the unit over the group (each rank's piece of it is
+/// its part of its shard), then an all_reduce of the piece over the shard's
+/// holders, into the shard's sum. Finished units adjacent in the flat
+/// layout go as one collective, up to a bucket of 1 Mi elements. bf16 runs
+/// convert the unit to bf16 and the sum back, as the whole-buffer path
+/// does. Every rank reports the same units in the same order, so the
+/// lane's collectives match; the units must tile the flat buffer (checked
+/// by count).
 class unit_reducer final : public model::gradient_listener {
 public:
-  void bind(model::model& m, collective_lane& lane) {
+  struct step {
+    coll::communicator* group = nullptr; // everyone when one rank per group
+    coll::communicator* cross = nullptr; // the shard's holders (several ranks per group)
+    std::span<float> grads;              // the model's gradient
+    std::span<float> sum;                // this rank's shard of the sum (grads itself: S == 1)
+    uint16_t* wire16 = nullptr;          // bf16: as long as grads
+    uint16_t* sum16 = nullptr;           // bf16, S > 1: as long as sum
+  };
+  void bind(model::model& m, collective_lane& lane, const shard_split& shards, size_t position) {
     model_ = &m;
     lane_ = &lane;
+    shards_ = &shards;
+    position_ = position;
   }
-  /// For one step: `grads` summed in place over `comm` (bf16: through
-  /// `wire16`, of the same length), once armed.
-  void reset(coll::communicator* comm, std::span<float> grads, uint16_t* wire16) {
-    comm_ = comm;
-    grads_ = grads;
-    wire16_ = wire16;
+  /// For one step; nothing goes before arm().
+  void reset(const step& st) {
+    st_ = st;
     armed_ = false;
     covered_ = 0;
+    lo_ = hi_ = 0;
   }
   /// The next micro-batch is the step's last: its finished units go.
   void arm() { armed_ = true; }
@@ -467,27 +490,80 @@ public:
       return;
     const auto& ts = model_->tensors();
     CMESH_CHECK(first < last && last <= ts.size());
-    const size_t a = ts[first].offset, n = ts[last - 1].offset + ts[last - 1].size - a;
-    covered_ += n;
-    lane_->submit([c = comm_, g = grads_.data() + a, w = wire16_ ? wire16_ + a : nullptr, n] {
-      if (!w)
-        return c->all_reduce(g, n, coll::dtype::float32, coll::reduce_op::sum);
+    const size_t a = ts[first].offset, b = ts[last - 1].offset + ts[last - 1].size;
+    if (hi_ > lo_ && (b == lo_ || a == hi_)) { // adjacent: one collective for both
+      lo_ = std::min(lo_, a);
+      hi_ = std::max(hi_, b);
+    } else {
+      flush();
+      lo_ = a;
+      hi_ = b;
+    }
+    if (hi_ - lo_ >= bucket_elements)
+      flush();
+  }
+  /// Hands the bucket to the lane: after the step's last unit, before the
+  /// lane is drained.
+  void flush() {
+    if (hi_ > lo_)
+      submit(lo_, hi_);
+    lo_ = hi_ = 0;
+  }
+
+private:
+  // Finished units adjacent in the flat layout are summed together up to
+  // this many elements (4 MiB of fp32): a small model's units are a few
+  // thousand elements, and a collective each would cost more than it hides.
+  static constexpr size_t bucket_elements = size_t{1} << 20;
+
+  void submit(size_t a, size_t b) {
+    covered_ += b - a;
+    float* g = st_.grads.data() + a;
+    uint16_t* w = st_.wire16 ? st_.wire16 + a : nullptr;
+    if (!st_.cross) {
+      lane_->submit([c = st_.group, g, w, n = b - a] {
+        if (!w)
+          return c->all_reduce(g, n, coll::dtype::float32, coll::reduce_op::sum);
+        kernels::cpu::float_to_bf16(g, w, n);
+        auto e = c->all_reduce(w, n, coll::dtype::bfloat16, coll::reduce_op::sum);
+        if (!e)
+          kernels::cpu::bf16_to_float(w, g, n);
+        return e;
+      });
+      return;
+    }
+    std::vector<size_t> counts;
+    const size_t lo = unit_pieces(*shards_, a, b, position_, counts);
+    const size_t mine = counts[position_], at = mine ? lo - shards_->offsets[position_] : 0;
+    lane_->submit([st = st_, g, w, n = b - a, counts = std::move(counts), mine, at] {
+      float* sum = st.sum.data() + at;
+      if (!w) {
+        auto e = st.group->reduce_scatter(g, sum, counts, coll::dtype::float32,
+                                          coll::reduce_op::sum);
+        if (!e)
+          e = st.cross->all_reduce(sum, mine, coll::dtype::float32, coll::reduce_op::sum);
+        return e;
+      }
+      uint16_t* sum16 = st.sum16 + at;
       kernels::cpu::float_to_bf16(g, w, n);
-      auto e = c->all_reduce(w, n, coll::dtype::bfloat16, coll::reduce_op::sum);
+      auto e = st.group->reduce_scatter(w, sum16, counts, coll::dtype::bfloat16,
+                                        coll::reduce_op::sum);
       if (!e)
-        kernels::cpu::bf16_to_float(w, g, n);
+        e = st.cross->all_reduce(sum16, mine, coll::dtype::bfloat16, coll::reduce_op::sum);
+      if (!e)
+        kernels::cpu::bf16_to_float(sum16, sum, mine);
       return e;
     });
   }
 
-private:
   model::model* model_ = nullptr;
   collective_lane* lane_ = nullptr;
-  coll::communicator* comm_ = nullptr;
-  std::span<float> grads_;
-  uint16_t* wire16_ = nullptr;
+  const shard_split* shards_ = nullptr;
+  size_t position_ = 0;
+  step st_;
   bool armed_ = false;
   size_t covered_ = 0;
+  size_t lo_ = 0, hi_ = 0; // the bucket: finished units not yet handed over
 };
 
 struct trainer::impl {
@@ -510,7 +586,7 @@ struct trainer::impl {
   bool full = false;                   // full sharding: weights and gradients streamed
   weight_stream stream;
   std::unique_ptr<collective_lane> lane; // train.overlap: the step's collectives while computing
-  unit_reducer reducer;                // whole weights, S == 1: gradients summed unit by unit
+  unit_reducer reducer;                // whole weights: gradients summed unit by unit
   bool unit_overlap = false;
   std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
@@ -782,11 +858,11 @@ expected<train_result> trainer::run() {
     spdlog::info("trainer: weights and gradients streamed over the {} ranks of the replica group{}",
                  S, I.lane ? ", the next unit gathered while one computes" : "");
   }
-  if (!I.full && S == 1 && !tc.exact && tc.overlap) {
+  if (!I.full && !tc.exact && tc.overlap) {
     I.lane = std::make_unique<collective_lane>();
     I.unit_overlap = net.set_gradient_listener(&I.reducer);
     if (I.unit_overlap) {
-      I.reducer.bind(net, *I.lane);
+      I.reducer.bind(net, *I.lane, I.shards, I.position);
       spdlog::info("trainer: gradients summed over the groups unit by unit during the backward "
                    "pass");
     } else {
@@ -910,9 +986,20 @@ expected<train_result> trainer::run() {
       I.stream.reset(I.group, master, update, &I.comm_s);
     }
     if (I.unit_overlap) {
-      if (I.bf16)
+      unit_reducer::step rs;
+      rs.grads = grads;
+      rs.sum = update;
+      rs.group = I.group ? I.group : &comm;
+      rs.cross = I.group ? I.cross : nullptr;
+      if (I.bf16) {
         I.wire16.resize(grads.size());
-      I.reducer.reset(&comm, grads, I.bf16 ? I.wire16.data() : nullptr);
+        rs.wire16 = I.wire16.data();
+        if (I.group) {
+          I.shard16.resize(update.size());
+          rs.sum16 = I.shard16.data();
+        }
+      }
+      I.reducer.reset(rs);
     }
     // This rank's micro-batches, their gradients (of the loss times
     // `loss_scale`) added up. With the experts split over the group, every
@@ -955,6 +1042,7 @@ expected<train_result> trainer::run() {
     };
     // The unit sums handed to the lane during the last backward pass.
     auto finish_units = [&] {
+      I.reducer.flush();
       const double t0 = now_s();
       auto e = I.lane->drain();
       I.comm_s += now_s() - t0;
@@ -1019,7 +1107,7 @@ expected<train_result> trainer::run() {
       if (I.full) {
         reduce(nullptr, 0, update.data(), coll::dtype::float32);
       } else if (I.unit_overlap) {
-        finish_units(); // summed in place: `update` is `grads`
+        finish_units(); // summed into `update`, in fp32
       } else {
         I.wire16.resize(grads.size());
         kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
