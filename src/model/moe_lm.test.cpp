@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -641,6 +642,79 @@ TEST_CASE("moe_lm: streamed weights give the gradient of whole ones, each unit r
   s.check(2);
   // Back to whole weights: the model's buffers are used directly again.
   REQUIRE(streamed->set_parameter_stream(nullptr));
+}
+
+namespace {
+
+// Records each reported unit and a copy of its gradient range at the
+// moment of the report.
+class recording_listener final : public gradient_listener {
+public:
+  explicit recording_listener(model& m) : m_(m) {}
+  void unit_done(size_t first, size_t last) override {
+    REQUIRE(first < last);
+    REQUIRE(last <= m_.tensors().size());
+    const auto& ts = m_.tensors();
+    const size_t a = ts[first].offset, b = ts[last - 1].offset + ts[last - 1].size;
+    auto g = m_.gradients();
+    units.push_back({first, last});
+    seen.emplace_back(g.begin() + static_cast<std::ptrdiff_t>(a),
+                      g.begin() + static_cast<std::ptrdiff_t>(b));
+  }
+  std::vector<std::pair<size_t, size_t>> units;
+  std::vector<std::vector<float>> seen;
+
+private:
+  model& m_;
+};
+
+} // namespace
+
+TEST_CASE("moe_lm: a unit's gradient is final when the listener hears of it") {
+  const auto c = tiny_config(2);
+  const auto [b1, b2] = two_batches(7, 12);
+  auto m = make_moe_lm(c);
+  auto plain = make_moe_lm(c);
+  recording_listener l(*m);
+  REQUIRE(m->set_gradient_listener(&l));
+  m->zero_gradients();
+  plain->zero_gradients();
+  batch empty;
+  empty.seq_len = 12;
+  size_t per_batch = 0;
+  std::vector<std::pair<size_t, size_t>> first_order;
+  for (const batch* b : std::array<const batch*, 3>{&b1, &b2, &empty}) {
+    l.units.clear();
+    l.seen.clear();
+    const auto s = m->forward_backward(*b, 2.0f);
+    CHECK(s.loss == plain->forward_backward(*b, 2.0f).loss);
+    // Every tensor in exactly one unit, each unit once, in the same order
+    // every micro-batch (an empty one too).
+    std::vector<int> count(m->tensors().size(), 0);
+    for (auto [f, t] : l.units)
+      for (size_t i = f; i < t; ++i)
+        ++count[i];
+    for (size_t i = 0; i < count.size(); ++i)
+      CHECK_MESSAGE(count[i] == 1, m->tensors()[i].name);
+    if (first_order.empty())
+      first_order = l.units;
+    CHECK(l.units == first_order);
+    per_batch = l.units.size();
+    // What the listener saw is what the micro-batch left: nothing wrote
+    // into a unit after it was reported.
+    auto g = m->gradients();
+    const auto& ts = m->tensors();
+    for (size_t u = 0; u < l.units.size(); ++u) {
+      const size_t a = ts[l.units[u].first].offset;
+      CHECK(std::equal(l.seen[u].begin(), l.seen[u].end(),
+                       g.begin() + static_cast<std::ptrdiff_t>(a)));
+    }
+  }
+  CHECK(per_batch == 2 + c.layers * (2 + c.experts));
+  // Reporting changes nothing: the same bits as a model without listener.
+  auto g = m->gradients(), pg = plain->gradients();
+  CHECK(std::equal(g.begin(), g.end(), pg.begin()));
+  REQUIRE(m->set_gradient_listener(nullptr));
 }
 
 TEST_CASE("moe_lm: the device code path (emulated) computes what the CPU model does") {
