@@ -450,13 +450,21 @@ void agent::impl::serve(session_ptr s) {
       return;
   }
   auto& comm = *s->comm;
-  auto t0 = mono_ns();
   const size_t n_params = s->state[0].size();
   int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(n_params)};
   caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
+  // The joiner says when it has checked the header and waits for the state,
+  // and again when it holds all of it: the time between is the transfer's
+  // (its start-up and its endpoints are not).
+  int64_t joiner_says = 0;
+  if (!e)
+    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1);
+  auto t0 = mono_ns();
   for (auto& b : s->state)
     if (!e)
       e = comm.broadcast(b.data(), b.size(), coll::dtype::float32, 0);
+  if (!e)
+    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1);
   if (e)
     return fail(e);
   double secs = static_cast<double>(mono_ns() - t0) / 1e9;
@@ -562,14 +570,21 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   int64_t hdr[2] = {0, 0};
   if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0))
     return e;
-  const auto t0 = mono_ns();
   if (hdr[0] < 0 || static_cast<size_t>(hdr[1]) != st.params.size())
     return make_error(errc::invalid_argument,
                       fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
                                   hdr[1], hdr[0], st.params.size()));
+  // Ready for the state, then holding all of it: the source times the
+  // transfer between the two.
+  int64_t says = 1;
+  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
+    return e;
+  const auto t0 = mono_ns();
   for (auto v : {st.params, st.adam_m, st.adam_v, st.scalars})
     if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0))
       return e;
+  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
+    return e;
   st.step = static_cast<uint64_t>(hdr[0]);
   const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
   const double mb = 3.0 * static_cast<double>(st.params.size() * sizeof(float)) / 1e6;
