@@ -6,6 +6,17 @@
 
 namespace cmesh::actors {
 
+namespace {
+/// A job's error; an exception it throws as a typed error.
+caf::error call(collective_lane::job& j) {
+  try {
+    return j();
+  } catch (const std::exception& ex) {
+    return make_error(errc::aborted, std::string("collective lane: a job threw: ") + ex.what());
+  }
+}
+} // namespace
+
 collective_lane::collective_lane(size_t depth, std::chrono::milliseconds warn_after)
     : depth_(depth == 0 ? 1 : depth), warn_after_(warn_after) {}
 
@@ -48,6 +59,33 @@ caf::error collective_lane::wait(ticket t) {
   return latched_;
 }
 
+caf::error collective_lane::run(job j) {
+  std::unique_lock lk(mu_);
+  if (!queue_.empty() || finished_ + 1 != next_ || inline_) {
+    lk.unlock();
+    return wait(submit(std::move(j)));
+  }
+  // Idle: run it here, as the lane would, holding the lane meanwhile.
+  const ticket t = next_++;
+  caf::error e = latched_;
+  if (!e) {
+    inline_ = true;
+    lk.unlock();
+    e = call(j);
+    lk.lock();
+    inline_ = false;
+    ++ran_;
+    if (e && !latched_)
+      latched_ = e;
+    e = latched_;
+  }
+  finished_ = t;
+  lk.unlock();
+  done_.notify_all();
+  queued_.notify_one(); // a job submitted meanwhile by another thread
+  return e;
+}
+
 caf::error collective_lane::drain() {
   std::unique_lock lk(mu_);
   wait_until(lk, next_ - 1);
@@ -62,19 +100,14 @@ uint64_t collective_lane::jobs_run() const {
 void collective_lane::loop() {
   std::unique_lock lk(mu_);
   for (;;) {
-    queued_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+    queued_.wait(lk, [&] { return (stop_ || !queue_.empty()) && !inline_; });
     if (queue_.empty())
       return; // stop_, and nothing left
     auto [t, j] = std::move(queue_.front());
     queue_.pop_front();
     if (!latched_) {
       lk.unlock();
-      caf::error e;
-      try {
-        e = j();
-      } catch (const std::exception& ex) {
-        e = make_error(errc::aborted, std::string("collective lane: a job threw: ") + ex.what());
-      }
+      caf::error e = call(j);
       j = nullptr; // the job's captures go before its waiter wakes
       lk.lock();
       ++ran_;

@@ -39,8 +39,9 @@ public:
   ticket submit(job j);
   /// Until job `t` has run (or been skipped): the latched error, if any.
   caf::error wait(ticket t);
-  /// submit, then wait.
-  caf::error run(job j) { return wait(submit(std::move(j))); }
+  /// submit, then wait; on the caller's thread when nothing is queued or
+  /// running (no hand-over to pay for: the order is the same).
+  caf::error run(job j);
   /// Until every job submitted has run; hands over the latched error and
   /// clears it (the next job runs again).
   caf::error drain();
@@ -62,6 +63,7 @@ private:
   uint64_t ran_ = 0;
   caf::error latched_;
   bool stop_ = false;
+  bool inline_ = false; // a job runs on a caller's thread: the lane's waits
   std::thread thread_;
 };
 

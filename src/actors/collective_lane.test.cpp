@@ -93,3 +93,45 @@ TEST_CASE("collective lane: destroyed with jobs queued, it runs them and joins")
   }
   CHECK(ran.load() == 8);
 }
+
+TEST_CASE("collective lane: run on an idle lane runs on the caller's thread, else after the queue") {
+  collective_lane lane;
+  std::thread::id where;
+  CHECK_FALSE(lane.run([&] {
+    where = std::this_thread::get_id();
+    return caf::error{};
+  }));
+  CHECK(where == std::this_thread::get_id()); // idle: no hand-over
+  // Behind a queued job: on the lane's thread, after it.
+  std::atomic<bool> release{false};
+  std::vector<int> order;
+  lane.submit([&] {
+    while (!release.load())
+      std::this_thread::yield();
+    order.push_back(1);
+    return caf::error{};
+  });
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    release = true;
+  });
+  CHECK_FALSE(lane.run([&] {
+    where = std::this_thread::get_id();
+    order.push_back(2);
+    return caf::error{};
+  }));
+  releaser.join();
+  CHECK(where != std::this_thread::get_id());
+  CHECK(order == std::vector<int>{1, 2});
+  // A latched error: an idle run does not run its job either.
+  lane.run([] { return make_error(errc::timeout, "slow peer"); });
+  bool ran = false;
+  auto e = lane.run([&] {
+    ran = true;
+    return caf::error{};
+  });
+  CHECK(code_of(e) == errc::timeout);
+  CHECK_FALSE(ran);
+  CHECK(code_of(lane.drain()) == errc::timeout);
+  CHECK(lane.jobs_run() == 4); // all but the one skipped
+}
