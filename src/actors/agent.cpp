@@ -38,6 +38,10 @@ bool includes(const wire::epoch_notice& n, uint32_t rank, uint64_t incarnation) 
   return false;
 }
 
+/// The catch-up's bulk broadcasts, which both peers are already in: polled
+/// without the naps its communicators take while they wait for a step.
+const coll::op_options transfer_op{std::chrono::milliseconds(30000), true};
+
 bool has_rank(const wire::epoch_notice& n, uint32_t rank) {
   return std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end();
 }
@@ -456,15 +460,21 @@ void agent::impl::serve(session_ptr s) {
   // The joiner says when it has checked the header and waits for the state,
   // and again when it holds all of it: the time between is the transfer's
   // (its start-up and its endpoints are not).
+  // Before each array too: its receives are posted when the joiner says
+  // so, and an eager stream ahead of them would land in UCX's unexpected
+  // queue (fresh buffers, a copy more).
   int64_t joiner_says = 0;
   if (!e)
     e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1);
   auto t0 = mono_ns();
-  for (auto& b : s->state)
+  for (auto& b : s->state) {
+    if (!e && &b != &s->state[0])
+      e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
     if (!e)
-      e = comm.broadcast(b.data(), b.size(), coll::dtype::float32, 0);
+      e = comm.broadcast(b.data(), b.size(), coll::dtype::float32, 0, transfer_op);
+  }
   if (!e)
-    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1);
+    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
   if (e)
     return fail(e);
   double secs = static_cast<double>(mono_ns() - t0) / 1e9;
@@ -509,7 +519,8 @@ void agent::impl::serve(session_ptr s) {
     int64_t h[2] = {static_cast<int64_t>(item.first), static_cast<int64_t>(item.second.size())};
     if (auto err = comm.broadcast(h, 2, coll::dtype::int64, 0))
       return fail(err);
-    if (auto err = comm.broadcast(item.second.data(), item.second.size(), coll::dtype::float32, 0))
+    if (auto err = comm.broadcast(item.second.data(), item.second.size(), coll::dtype::float32, 0,
+                                  transfer_op))
       return fail(err);
     ++streamed;
   }
@@ -580,10 +591,15 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
   if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
     return e;
   const auto t0 = mono_ns();
-  for (auto v : {st.params, st.adam_m, st.adam_v, st.scalars})
-    if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0))
+  bool first = true;
+  for (auto v : {st.params, st.adam_m, st.adam_v, st.scalars}) {
+    if (!std::exchange(first, false))
+      if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
+        return e;
+    if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0, transfer_op))
       return e;
-  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
+  }
+  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
     return e;
   st.step = static_cast<uint64_t>(hdr[0]);
   const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
@@ -605,7 +621,8 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
       return make_error(errc::invalid_argument,
                         fmt::format("catch-up stream sent step {} while this rank is at step {}",
                                     hdr[0], st.step));
-    if (auto e = comm.broadcast(update.data(), update.size(), coll::dtype::float32, 0))
+    if (auto e = comm.broadcast(update.data(), update.size(), coll::dtype::float32, 0,
+                                transfer_op)) // right behind its header
       return e;
     apply(st.step, update);
     ++st.step;

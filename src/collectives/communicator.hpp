@@ -38,6 +38,10 @@ struct membership {
 
 struct op_options {
   std::chrono::milliseconds timeout{30000};
+  /// A bulk transfer the peers are already in: the host backend polls
+  /// without sleeping on its worker's events, whatever its
+  /// host_options::sleep_when_idle (a nap stalls the stream for its length).
+  bool transfer = false;
 };
 
 /// A communicator's abort request and poisoning error, for backends to

@@ -421,6 +421,8 @@ private:
   uint64_t tag_op_ = 0;
   const char* op_name_ = "";
   int64_t deadline_ns_ = 0;
+  bool may_sleep_ = true; // this operation is not an op_options::transfer
+  int64_t spin_before_yield_ = 0; // this operation's
   int64_t timeout_ms_ = 0;
   size_t waiting_on_ = 0;
   uint64_t polls_ = 0;
@@ -624,8 +626,8 @@ bool host_comm::test(req_id id) {
 caf::error host_comm::progress() {
   if (ucp_worker_progress(worker()) != 0) {
     idle_polls_ = 0;
-  } else if (++idle_polls_ >= static_cast<uint64_t>(opts_.spin_before_yield)) {
-    if (opts_.sleep_when_idle.count() > 0
+  } else if (++idle_polls_ >= static_cast<uint64_t>(spin_before_yield_)) {
+    if (opts_.sleep_when_idle.count() > 0 && may_sleep_
         && idle_polls_ >= static_cast<uint64_t>(opts_.idle_polls_before_sleep)) {
       // Off the core until the worker has an event (or the slice ends and
       // failures are checked): for operations that wait long on a peer.
@@ -723,6 +725,12 @@ caf::error host_comm::begin(const char* name, const op_options& o) {
   tag_op_ = op_seq_++;
   timeout_ms_ = o.timeout.count();
   deadline_ns_ = mono_ns() + timeout_ms_ * 1000000;
+  // A transfer spins at least as long as a training collective before it
+  // yields: a yield on a busy core can cost a scheduler slice.
+  may_sleep_ = !o.transfer;
+  spin_before_yield_ = o.transfer ? std::max(opts_.spin_before_yield,
+                                             host_options{}.spin_before_yield)
+                                  : opts_.spin_before_yield;
   polls_ = 0;
   reqs_.clear();
   return {};
