@@ -384,10 +384,12 @@ private:
   std::vector<uint16_t> piece16_, unit16_;
 };
 
-/// Whole weights (not exact mode): each unit's gradient is summed over
-/// the groups on the collective lane as soon as the step's last
-/// micro-batch is done with it (model::gradient_listener), while the
-/// backward pass goes on with the units before it. One rank per group: an
+/// Whole weights (not exact mode): the gradient summed over the groups.
+/// With a collective lane, each unit's gradient is summed on the lane as
+/// soon as the step's last micro-batch is done with it
+/// (model::gradient_listener), while the backward pass goes on with the
+/// units before it; without one, whole() sums the whole buffer as one
+/// piece after the backward pass, on the caller's thread. One rank per group: an
 /// all_reduce of the unit over everyone, in place. Groups of several ranks:
 /// a reduce_scatter of the unit over the group (each rank's piece of it is
 /// its part of its shard), then an all_reduce of the piece over the shard's
@@ -407,18 +409,30 @@ public:
     uint16_t* wire16 = nullptr;          // bf16: as long as grads
     uint16_t* sum16 = nullptr;           // bf16, S > 1: as long as sum
   };
-  void bind(model::model& m, collective_lane& lane, const shard_split& shards, size_t position) {
+  /// `lane`: nullptr sums on the caller's thread (whole() only).
+  void bind(model::model& m, collective_lane* lane, const shard_split& shards, size_t position) {
     model_ = &m;
-    lane_ = &lane;
+    lane_ = lane;
     shards_ = &shards;
     position_ = position;
   }
-  /// For one step; nothing goes before arm().
+  /// For one step; nothing goes before arm() or whole().
   void reset(const step& st) {
     st_ = st;
     armed_ = false;
     covered_ = 0;
     lo_ = hi_ = 0;
+    error_ = {};
+  }
+  /// The whole gradient as one piece, once the backward pass is over.
+  void whole() { submit(0, st_.grads.size()); }
+  /// Hands over what is left and waits for every sum of the step: the
+  /// first error.
+  caf::error finish() {
+    flush();
+    if (lane_)
+      return lane_->drain();
+    return std::exchange(error_, caf::error{});
   }
   /// The next micro-batch is the step's last: its finished units go.
   void arm() { armed_ = true; }
@@ -442,15 +456,13 @@ public:
     if (hi_ - lo_ >= bucket_elements)
       flush();
   }
-  /// Hands the bucket to the lane: after the step's last unit, before the
-  /// lane is drained.
+private:
+  /// Hands the bucket over.
   void flush() {
     if (hi_ > lo_)
       submit(lo_, hi_);
     lo_ = hi_ = 0;
   }
-
-private:
   // Finished units adjacent in the flat layout are summed together up to
   // this many elements (4 MiB of fp32): a small model's units are a few
   // thousand elements, and a collective each would cost more than it hides.
@@ -461,7 +473,7 @@ private:
     float* g = st_.grads.data() + a;
     uint16_t* w = st_.wire16 ? st_.wire16 + a : nullptr;
     if (!st_.cross) {
-      lane_->submit([c = st_.group, g, w, n = b - a] {
+      hand([c = st_.group, g, w, n = b - a] {
         if (!w)
           return c->all_reduce(g, n, coll::dtype::float32, coll::reduce_op::sum);
         kernels::cpu::float_to_bf16(g, w, n);
@@ -475,7 +487,7 @@ private:
     std::vector<size_t> counts;
     const size_t lo = unit_pieces(*shards_, a, b, position_, counts);
     const size_t mine = counts[position_], at = mine ? lo - shards_->offsets[position_] : 0;
-    lane_->submit([st = st_, g, w, n = b - a, counts = std::move(counts), mine, at] {
+    hand([st = st_, g, w, n = b - a, counts = std::move(counts), mine, at] {
       float* sum = st.sum.data() + at;
       if (!w) {
         auto e = st.group->reduce_scatter(g, sum, counts, coll::dtype::float32,
@@ -495,6 +507,13 @@ private:
       return e;
     });
   }
+  /// To the lane, or run here (the first error latches).
+  void hand(collective_lane::job j) {
+    if (lane_)
+      lane_->submit(std::move(j));
+    else if (!error_)
+      error_ = j();
+  }
 
   model::model* model_ = nullptr;
   collective_lane* lane_ = nullptr;
@@ -504,6 +523,7 @@ private:
   bool armed_ = false;
   size_t covered_ = 0;
   size_t lo_ = 0, hi_ = 0; // the bucket: finished units not yet handed over
+  caf::error error_;       // without a lane
 };
 
 } // namespace cmesh::actors

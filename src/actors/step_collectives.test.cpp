@@ -176,7 +176,7 @@ TEST_CASE("unit reducer: finished units summed over the groups, adjacent ones me
         std::vector<uint16_t> wire(N);
         collective_lane lane;
         unit_reducer red;
-        red.bind(m, lane, shards, 0);
+        red.bind(m, &lane, shards, 0);
         unit_reducer::step st;
         st.group = everyone.c[r].get();
         st.grads = grads[r];
@@ -187,8 +187,7 @@ TEST_CASE("unit reducer: finished units summed over the groups, adjacent ones me
         red.arm();
         for (size_t u = 5; u-- > 0;) // the backward pass: last unit first
           red.unit_done(u, u + 1);
-        red.flush();
-        errors[r] = lane.drain();
+        errors[r] = red.finish();
         covered[r] = red.covered();
         jobs[r] = lane.jobs_run();
       });
@@ -210,37 +209,47 @@ TEST_CASE("unit reducer: finished units summed over the groups, adjacent ones me
     auto solo1 = make_comms({ctx[1]}, 33);
     coll::communicator* cross[2] = {solo0.c[0].get(), solo1.c[0].get()};
     const auto shards = split_shards(N, 2, 4096);
-    std::vector<std::vector<float>> sums(2);
-    std::vector<caf::error> errors(2);
-    on_each(2, [&](size_t r) {
-      std::vector<float> grads(N);
-      for (size_t i = 0; i < N; ++i)
-        grads[i] = grad_of(r, i);
-      sums[r].assign(shards.counts[r], -1.0f); // every element written
-      collective_lane lane;
-      unit_reducer red;
-      red.bind(m, lane, shards, r);
-      unit_reducer::step st;
-      st.group = group.c[r].get();
-      st.cross = cross[r];
-      st.grads = grads;
-      st.sum = sums[r];
-      red.reset(st);
-      red.arm();
-      // Not adjacent in this order: a collective each.
-      for (size_t u : {4, 2, 0, 3, 1})
-        red.unit_done(u, u + 1);
-      red.flush();
-      errors[r] = lane.drain();
-    });
-    for (size_t r = 0; r < 2; ++r) {
-      CHECK_FALSE(errors[r]);
-      size_t bad = 0;
-      for (size_t i = 0; i < shards.counts[r]; ++i) {
-        const size_t at = shards.offsets[r] + i;
-        bad += sums[r][i] != grad_of(0, at) + grad_of(1, at);
+    // Unit by unit on a lane, and without one the whole buffer at once.
+    for (bool with_lane : {true, false}) {
+      CAPTURE(with_lane);
+      std::vector<std::vector<float>> sums(2);
+      std::vector<caf::error> errors(2);
+      std::vector<size_t> covered(2);
+      on_each(2, [&](size_t r) {
+        std::vector<float> grads(N);
+        for (size_t i = 0; i < N; ++i)
+          grads[i] = grad_of(r, i);
+        sums[r].assign(shards.counts[r], -1.0f); // every element written
+        collective_lane lane;
+        unit_reducer red;
+        red.bind(m, with_lane ? &lane : nullptr, shards, r);
+        unit_reducer::step st;
+        st.group = group.c[r].get();
+        st.cross = cross[r];
+        st.grads = grads;
+        st.sum = sums[r];
+        red.reset(st);
+        if (with_lane) {
+          red.arm();
+          // Not adjacent in this order: a collective each.
+          for (size_t u : {4, 2, 0, 3, 1})
+            red.unit_done(u, u + 1);
+        } else {
+          red.whole();
+        }
+        errors[r] = red.finish();
+        covered[r] = red.covered();
+      });
+      for (size_t r = 0; r < 2; ++r) {
+        CHECK_FALSE(errors[r]);
+        CHECK(covered[r] == N);
+        size_t bad = 0;
+        for (size_t i = 0; i < shards.counts[r]; ++i) {
+          const size_t at = shards.offsets[r] + i;
+          bad += sums[r][i] != grad_of(0, at) + grad_of(1, at);
+        }
+        CHECK(bad == 0);
       }
-      CHECK(bad == 0);
     }
   }
 }

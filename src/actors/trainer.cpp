@@ -112,8 +112,7 @@ struct trainer::impl {
   bool full = false;                   // full sharding: weights and gradients streamed
   weight_stream stream;
   std::unique_ptr<collective_lane> lane; // train.overlap: the step's collectives while computing
-  unit_reducer reducer;                // whole weights: gradients summed unit by unit
-  bool unit_overlap = false;
+  unit_reducer reducer;                // whole weights, not exact: the gradient's sum over groups
   std::vector<float> shard_grad;       // the reduced gradient of the shard (S > 1)
   std::vector<std::vector<float>> contributions; // exact mode: one per micro-batch
   std::deque<std::pair<uint64_t, std::vector<float>>> recent; // committed updates, oldest first
@@ -384,17 +383,18 @@ expected<train_result> trainer::run() {
     spdlog::info("trainer: weights and gradients streamed over the {} ranks of the replica group{}",
                  S, I.lane ? ", the next unit gathered while one computes" : "");
   }
-  if (!I.full && !tc.exact && tc.overlap) {
-    I.lane = std::make_unique<collective_lane>();
-    I.unit_overlap = net.set_gradient_listener(&I.reducer);
-    if (I.unit_overlap) {
-      I.reducer.bind(net, *I.lane, I.shards, I.position);
+  // Whole weights: summed unit by unit during the backward pass when the
+  // model reports finished units, else after it.
+  const bool whole_weights = !I.full && !tc.exact;
+  if (whole_weights) {
+    if (tc.overlap && net.set_gradient_listener(&I.reducer)) {
+      I.lane = std::make_unique<collective_lane>();
       spdlog::info("trainer: gradients summed over the groups unit by unit during the backward "
                    "pass");
-    } else {
-      I.lane.reset();
     }
+    I.reducer.bind(net, I.lane.get(), I.shards, I.position);
   }
+  const bool unit_overlap = whole_weights && I.lane;
   train_result result;
   const double t_start = now_s();
   const double tokens_per_step = static_cast<double>(tc.global_batch * tc.seq_len);
@@ -511,7 +511,7 @@ expected<train_result> trainer::run() {
       std::fill(update.begin(), update.end(), 0.0f);
       I.stream.reset(I.group, master, update, &I.comm_s);
     }
-    if (I.unit_overlap) {
+    if (whole_weights) {
       unit_reducer::step rs;
       rs.grads = grads;
       rs.sum = update;
@@ -542,14 +542,14 @@ expected<train_result> trainer::run() {
       }
       // Summed unit by unit: every rank reports every unit, so a rank
       // without a micro-batch runs an empty one.
-      if (I.unit_overlap && !latched)
+      if (unit_overlap && !latched)
         runs = std::max<size_t>(runs, 1);
       model::batch empty;
       empty.seq_len = tc.seq_len;
       for (size_t k = 0; k < runs; ++k) {
         if (I.full)
           I.stream.begin_micro_batch(k + 1 < runs);
-        if (I.unit_overlap && !latched && k + 1 == runs)
+        if (unit_overlap && !latched && k + 1 == runs)
           I.reducer.arm();
         if (k < mine.size())
           account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k]),
@@ -566,11 +566,14 @@ expected<train_result> trainer::run() {
       if (I.sup)
         I.sup->computing(false);
     };
-    // The unit sums handed to the lane during the last backward pass.
-    auto finish_units = [&] {
-      I.reducer.flush();
+    // Whole weights: the gradient summed over the groups into `update` (in
+    // fp32; S == 1: `update` is `grads`), unit by unit during the last
+    // backward pass (overlap), else now as one piece.
+    auto sum_whole = [&] {
       const double t0 = now_s();
-      auto e = I.lane->drain();
+      if (!unit_overlap && !latched)
+        I.reducer.whole();
+      auto e = I.reducer.finish();
       I.comm_s += now_s() - t0;
       if (!e && !latched && I.reducer.covered() != grads.size())
         e = make_error(errc::invalid_argument,
@@ -580,29 +583,12 @@ expected<train_result> trainer::run() {
       if (e && !latched)
         latched = e;
     };
-    // Sums every rank's gradient `full` (count elements of t) into this
-    // rank's shard `sum`: with one rank per group an all_reduce over
-    // everyone in place (`sum` is `full`), else a reduce_scatter over the
-    // group and an all_reduce over the shard's holders.
-    auto reduce = [&](void* full, size_t count, void* sum, coll::dtype t) {
-      if (I.full) { // the group's sum is in `sum` already, in fp32
-        I.collective(latched, [&] {
-          return I.cross->all_reduce(sum, I.shards.counts[I.position], coll::dtype::float32,
-                                     coll::reduce_op::sum);
-        });
-        return;
-      }
-      if (!I.group) {
-        I.collective(latched, [&] {
-          return comm.all_reduce(full, count, t, coll::reduce_op::sum);
-        });
-        return;
-      }
+    // Full sharding: the group's sum of this rank's shard is in `update`
+    // already (fp32); summed over its holders in the other groups.
+    auto sum_shard = [&] {
       I.collective(latched, [&] {
-        return I.group->reduce_scatter(full, sum, I.shards.counts, t, coll::reduce_op::sum);
-      });
-      I.collective(latched, [&] {
-        return I.cross->all_reduce(sum, I.shards.counts[I.position], t, coll::reduce_op::sum);
+        return I.cross->all_reduce(update.data(), update.size(), coll::dtype::float32,
+                                   coll::reduce_op::sum);
       });
     };
     if (tc.exact) {
@@ -630,28 +616,17 @@ expected<train_result> trainer::run() {
       // Gradients of the scaled loss, summed as bf16.
       const float scale = I.scalars[0];
       compute(scale);
-      if (I.full) {
-        reduce(nullptr, 0, update.data(), coll::dtype::float32);
-      } else if (I.unit_overlap) {
-        finish_units(); // summed into `update`, in fp32
-      } else {
-        I.wire16.resize(grads.size());
-        kernels::cpu::float_to_bf16(grads.data(), I.wire16.data(), grads.size());
-        uint16_t* sum16 = I.wire16.data(); // the group of one rank sums in place
-        if (I.group) {
-          I.shard16.resize(update.size());
-          sum16 = I.shard16.data();
-        }
-        reduce(I.wire16.data(), I.wire16.size(), sum16, coll::dtype::bfloat16);
-        kernels::cpu::bf16_to_float(sum16, update.data(), update.size());
-      }
+      if (I.full)
+        sum_shard();
+      else
+        sum_whole();
       kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
     } else {
       compute(1.0f);
-      if (I.unit_overlap)
-        finish_units();
+      if (I.full)
+        sum_shard();
       else
-        reduce(grads.data(), grads.size(), update.data(), coll::dtype::float32);
+        sum_whole();
     }
     // The mean gradient over the global batch, clipped by its global norm.
     kernels::cpu::scale_in_place(update.data(), 1.0f / static_cast<float>(micro_total),
