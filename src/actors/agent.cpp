@@ -40,7 +40,11 @@ bool includes(const wire::epoch_notice& n, uint32_t rank, uint64_t incarnation) 
 
 /// The catch-up's bulk broadcasts, which both peers are already in: polled
 /// without the naps its communicators take while they wait for a step.
-const coll::op_options transfer_op{std::chrono::milliseconds(30000), true};
+const coll::op_options transfer_op = [] {
+  coll::op_options o;
+  o.transfer = true;
+  return o;
+}();
 
 bool has_rank(const wire::epoch_notice& n, uint32_t rank) {
   return std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end();
@@ -458,20 +462,21 @@ void agent::impl::serve(session_ptr s) {
   int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(n_params)};
   caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
   // The joiner says when it has checked the header and waits for the state,
-  // and again when it holds all of it: the time between is the transfer's
-  // (its start-up and its endpoints are not).
-  // Before each array too: its receives are posted when the joiner says
-  // so, and an eager stream ahead of them would land in UCX's unexpected
-  // queue (fresh buffers, a copy more).
+  // before each further array (its receives are posted then: an eager
+  // stream ahead of them would land in UCX's unexpected queue, fresh
+  // buffers and a copy more), and when it holds all of it. The time from
+  // the first word to the last is the transfer's (the joiner's start-up
+  // and endpoints are not in it).
   int64_t joiner_says = 0;
   if (!e)
     e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1);
   auto t0 = mono_ns();
-  for (auto& b : s->state) {
-    if (!e && &b != &s->state[0])
+  for (size_t i = 0; i < s->state.size(); ++i) {
+    if (!e && i > 0)
       e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
     if (!e)
-      e = comm.broadcast(b.data(), b.size(), coll::dtype::float32, 0, transfer_op);
+      e = comm.broadcast(s->state[i].data(), s->state[i].size(), coll::dtype::float32, 0,
+                         transfer_op);
   }
   if (!e)
     e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
@@ -585,18 +590,19 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
     return make_error(errc::invalid_argument,
                       fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
                                   hdr[1], hdr[0], st.params.size()));
-  // Ready for the state, then holding all of it: the source times the
-  // transfer between the two.
+  // Ready for the state, before each further array, then holding all of
+  // it: the words the source times the transfer by (see serve).
   int64_t says = 1;
   if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
     return e;
   const auto t0 = mono_ns();
-  bool first = true;
-  for (auto v : {st.params, st.adam_m, st.adam_v, st.scalars}) {
-    if (!std::exchange(first, false))
+  const std::span<float> arrays[] = {st.params, st.adam_m, st.adam_v, st.scalars};
+  for (size_t i = 0; i < std::size(arrays); ++i) {
+    if (i > 0)
       if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
         return e;
-    if (auto e = comm.broadcast(v.data(), v.size(), coll::dtype::float32, 0, transfer_op))
+    if (auto e = comm.broadcast(arrays[i].data(), arrays[i].size(), coll::dtype::float32, 0,
+                                transfer_op))
       return e;
   }
   if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
