@@ -317,26 +317,34 @@ private:
     return e;
   }
   /// The reduce-scatter of a unit's gradient `in` (n floats), this rank's
-  /// piece (`mine` floats) added to `sum`.
-  caf::error reduce_into(coll::communicator* g, const float* in, size_t n,
+  /// piece (`mine` floats) added to `sum`. In fp32 the sum so far goes into
+  /// this rank's piece of `in` first and the reduce-scatter writes straight
+  /// into `sum`: no piece-sized scratch (the unit's gradient buffer is
+  /// rewritten before its next use anyway).
+  caf::error reduce_into(coll::communicator* g, float* in, size_t n,
                          const std::vector<size_t>& counts, size_t mine, float* sum) {
-    piece_.resize(mine);
-    caf::error e;
-    if (bf16_) {
-      unit16_.resize(n);
-      piece16_.resize(mine);
-      kernels::cpu::float_to_bf16(in, unit16_.data(), n);
-      e = g->reduce_scatter(unit16_.data(), piece16_.data(), counts, coll::dtype::bfloat16,
-                            coll::reduce_op::sum);
-      if (!e)
-        kernels::cpu::bf16_to_float(piece16_.data(), piece_.data(), mine);
-    } else {
-      e = g->reduce_scatter(in, piece_.data(), counts, coll::dtype::float32, coll::reduce_op::sum);
+    if (!bf16_) {
+      if (mine == 0)
+        return g->reduce_scatter(in, nullptr, counts, coll::dtype::float32, coll::reduce_op::sum);
+      float* own = in + std::accumulate(counts.begin(), counts.begin() + position_, size_t{0});
+      for (size_t i = 0; i < mine; ++i)
+        own[i] += sum[i];
+      return g->reduce_scatter(in, sum, counts, coll::dtype::float32, coll::reduce_op::sum);
     }
-    if (e || mine == 0)
+    unit16_.resize(n);
+    piece16_.resize(mine);
+    kernels::cpu::float_to_bf16(in, unit16_.data(), n);
+    auto e = g->reduce_scatter(unit16_.data(), piece16_.data(), counts, coll::dtype::bfloat16,
+                               coll::reduce_op::sum);
+    if (e)
       return e;
-    for (size_t i = 0; i < mine; ++i)
-      sum[i] += piece_[i];
+    std::array<float, 1024> wide;
+    for (size_t i = 0; i < mine; i += wide.size()) {
+      const size_t k = std::min(wide.size(), mine - i);
+      kernels::cpu::bf16_to_float(piece16_.data() + i, wide.data(), k);
+      for (size_t j = 0; j < k; ++j)
+        sum[i + j] += wide[j];
+    }
     return {};
   }
   std::pair<size_t, size_t> range(size_t first, size_t last) const {
@@ -380,7 +388,6 @@ private:
   size_t live_ = 0, gcur_ = 0;
   std::array<collective_lane::ticket, 2> gticket_{0, 0}; // reduce-scatters reading grad_
   // Scratch of the collectives (the lane's thread's when there is one).
-  std::vector<float> piece_;
   std::vector<uint16_t> piece16_, unit16_;
 };
 
