@@ -15,7 +15,7 @@
 // Every figure comes from the launcher's JSON-lines event log (CLOCK_MONOTONIC
 // timestamps shared by all processes) and the workers' log lines.
 //
-//   cmesh_bench_recovery [--kills N] [--seed S] [--quick]
+//   cmesh_bench_recovery [--kills N] [--seed S] [--quick] [--broadcast BYTES]
 #include "actors/agent.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "common/launch.hpp"
@@ -121,17 +121,21 @@ std::vector<double> kill_to_commit(const std::vector<event>& ev) {
 /// workers of this process: the same shared-memory transports as two
 /// processes), in the catch-up's 8 MiB chunks and eager protocol, on an
 /// otherwise idle machine: the collectives' bandwidth the catch-up's is
-/// held against. `cold`: the first broadcast of fresh workers (UCX's
-/// shared-memory buffers are touched for the first time: on these VMs that
-/// costs both sides about as much CPU again as the copy, up to ~8 MB);
-/// `warm`: the best of the three after it. NAN when it fails.
+/// held against. `cold`: the first broadcast of fresh workers, on the
+/// catch-up's kind of context (coll::transfer_context), as a catch-up's
+/// is; `warm`: the best of three after a first, on that kind and on a
+/// training context (UCX's default FIFO), whichever is faster. NAN when it
+/// fails.
 struct bcast_rate {
   double cold = NAN, warm = NAN;
 };
-bcast_rate broadcast_gbps(size_t bytes) {
+bcast_rate broadcast_gbps(size_t bytes, bool transfer) {
   using namespace cmesh::coll;
-  auto a = host_context::create(0, bulk_protocol::eager, false);
-  auto b = host_context::create(1, bulk_protocol::eager, false);
+  auto make = [&](uint32_t rank) {
+    return transfer ? transfer_context(rank) : host_context::create(rank, bulk_protocol::eager, false);
+  };
+  auto a = make(0);
+  auto b = make(1);
   if (!a || !b)
     return {};
   const std::vector<std::string> addresses{(*a)->address(), (*b)->address()};
@@ -165,6 +169,10 @@ bcast_rate broadcast_gbps(size_t bytes) {
   }
   out.warm = best;
   return out;
+}
+bcast_rate broadcast_gbps(size_t bytes) {
+  auto t = broadcast_gbps(bytes, true), d = broadcast_gbps(bytes, false);
+  return {t.cold, std::max(t.warm, d.warm)};
 }
 
 double memcpy_gbps() {
@@ -201,8 +209,17 @@ int main(int argc, char** argv) {
       seed = std::strtoull(argv[++i], nullptr, 10);
     else if (a == "--quick")
       quick = true;
-    else {
-      fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick]\n");
+    else if (a == "--broadcast" && i + 1 < argc) {
+      const size_t bytes = std::strtoull(argv[++i], nullptr, 10);
+      for (bool transfer : {true, false}) {
+        auto r = broadcast_gbps(bytes, transfer);
+        fmt::print("broadcast of {} bytes, {} context: cold {:.2f} GB/s, warm {:.2f} GB/s\n", bytes,
+                   transfer ? "transfer" : "training", r.cold, r.warm);
+      }
+      return 0;
+    } else {
+      fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick] "
+                 "[--broadcast BYTES]\n");
       return 2;
     }
   }
@@ -278,8 +295,9 @@ int main(int argc, char** argv) {
     std::remove(cfg.c_str());
     row out;
     std::smatch m;
-    if (std::regex_search(r.output, m, std::regex("snapshot of step [0-9]+ sent to rank [0-9]+ "
-                                                  "\\(([0-9.]+) MB in ([0-9.]+) s")))
+    if (std::regex_search(r.output, m,
+                          std::regex("received the snapshot of step [0-9]+ from rank [0-9]+ "
+                                     "\\(session [0-9]+\\): ([0-9.]+) MB in ([0-9.]+) s")))
       out.mb = std::stod(m[1].str()), out.secs = std::stod(m[2].str());
     // Rank 0's progress line of every step: "step N ... step X ms".
     std::map<double, double> step_ms;
@@ -374,12 +392,14 @@ int main(int argc, char** argv) {
     "processes share the two cores with the survivors, so the figure there is mostly\n"
     "oversubscription. assign->admitted includes the source's next step boundary and the\n"
     "500 ms join window. With --catchup-nice 10 the threads serving and receiving the\n"
-    "catch-up run 10 nice levels lower. Snapshot GB/s: the state over the time from the\n"
-    "joiner's 'ready' to its 'received' (start-up and endpoints excluded). It is held\n"
-    "against the host backend's broadcast of the same bytes between two idle workers of\n"
-    "one process, same run: warm (the best of three after a first; the collectives'\n"
-    "bandwidth, the goal's measure) and cold (the first broadcast of fresh workers, as\n"
-    "the catch-up's is: UCX's shared-memory buffers are touched for the first time).\n\n");
+    "catch-up run 10 nice levels lower. Snapshot GB/s: the state over the joiner's time\n"
+    "from sending 'ready' to sending 'received' (start-up and endpoints excluded). It is\n"
+    "held against the host backend's broadcast of the same bytes between two idle\n"
+    "workers of one process, same run: warm (the best of three after a first, on a\n"
+    "catch-up's kind of context or a training one, whichever is faster; the\n"
+    "collectives' bandwidth, the goal's measure) and cold (the first broadcast of fresh\n"
+    "workers on a catch-up's kind of context, as the catch-up's is). A survivor serves\n"
+    "from a thread beside its trainer's, on a core the trainer keeps busy.\n\n");
 
   fmt::print("## peers, published figures (for scale; other hardware and scale)\n\n");
   fmt::print("| system | figure |\n|---|---|\n");

@@ -124,7 +124,7 @@ struct agent::impl {
       if (spare_catchup_ctx)
         return std::exchange(spare_catchup_ctx, nullptr);
     }
-    return coll::host_context::create(o.rank, coll::bulk_protocol::eager, false);
+    return coll::transfer_context(o.rank);
   }
   /// After a clean session only: its peer is done with the context (the
   /// stream's end marker was the last message), so the next session, with
@@ -461,23 +461,21 @@ void agent::impl::serve(session_ptr s) {
   const size_t n_params = s->state[0].size();
   int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(n_params)};
   caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
-  // The joiner says when it has checked the header and waits for the state,
-  // before each further array (its receives are posted then: an eager
-  // stream ahead of them would land in UCX's unexpected queue, fresh
-  // buffers and a copy more), and when it holds all of it. The time from
-  // the first word to the last is the transfer's (the joiner's start-up
-  // and endpoints are not in it).
+  // The joiner says when it has checked the header and waits for the
+  // state, and when it holds all of it. The time from the first word to
+  // the last is the transfer's (the joiner's start-up and endpoints are
+  // not in it). Each array's broadcast itself waits for the joiner's
+  // receives to be posted (an eager stream ahead of them would fill UCX's
+  // unexpected queue with fresh buffers). The joiner answers the header at
+  // once: its word is awaited without naps (a nap is up to 2 ms of a
+  // transfer of a few).
   int64_t joiner_says = 0;
   if (!e)
-    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1);
+    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
   auto t0 = mono_ns();
-  for (size_t i = 0; i < s->state.size(); ++i) {
-    if (!e && i > 0)
-      e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
-    if (!e)
-      e = comm.broadcast(s->state[i].data(), s->state[i].size(), coll::dtype::float32, 0,
-                         transfer_op);
-  }
+  for (size_t i = 0; i < s->state.size() && !e; ++i)
+    e = comm.broadcast(s->state[i].data(), s->state[i].size(), coll::dtype::float32, 0,
+                       transfer_op);
   if (!e)
     e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
   if (e)
@@ -590,21 +588,17 @@ caf::error agent::impl::receive(const wire::catchup_assign& a, train_state& st,
     return make_error(errc::invalid_argument,
                       fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
                                   hdr[1], hdr[0], st.params.size()));
-  // Ready for the state, before each further array, then holding all of
-  // it: the words the source times the transfer by (see serve).
+  // Ready for the state, then holding all of it: the words the source
+  // times the transfer by (see serve). This side's clock runs from the
+  // first word sent to the last: the state moved in between, with the
+  // source's wake-up but not its noticing the end.
   int64_t says = 1;
   if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
     return e;
   const auto t0 = mono_ns();
-  const std::span<float> arrays[] = {st.params, st.adam_m, st.adam_v, st.scalars};
-  for (size_t i = 0; i < std::size(arrays); ++i) {
-    if (i > 0)
-      if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
-        return e;
-    if (auto e = comm.broadcast(arrays[i].data(), arrays[i].size(), coll::dtype::float32, 0,
-                                transfer_op))
+  for (std::span<float> x : {st.params, st.adam_m, st.adam_v, st.scalars})
+    if (auto e = comm.broadcast(x.data(), x.size(), coll::dtype::float32, 0, transfer_op))
       return e;
-  }
   if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
     return e;
   st.step = static_cast<uint64_t>(hdr[0]);
@@ -649,7 +643,7 @@ agent::~agent() {
 
 void agent::start() {
   auto* I = impl_.get();
-  if (auto c = coll::host_context::create(I->o.rank, coll::bulk_protocol::eager, false))
+  if (auto c = coll::transfer_context(I->o.rank))
     I->spare_catchup_ctx = std::move(*c);
   else
     spdlog::warn("agent: no spare catch-up context ({}); a catch-up will make its own",
