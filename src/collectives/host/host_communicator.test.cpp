@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -100,6 +101,48 @@ TEST_CASE("both bulk protocols and the shared-memory ring all_reduce across two 
         CHECK(uses_shared_memory_ring(**cb) == (mode == 2));
       }
     }
+  }
+}
+
+TEST_CASE("transfer contexts: chunked broadcasts either way, whichever side enters first") {
+  auto a = transfer_context(0);
+  auto b = transfer_context(1);
+  REQUIRE(a);
+  REQUIRE(b);
+  CHECK((*a)->bulk() == bulk_protocol::eager);
+  std::vector<std::string> addresses{(*a)->address(), (*b)->address()};
+  membership m{1, {0, 1}};
+  auto alive = [](uint32_t) { return caf::error{}; };
+  host_options o;
+  o.chunk_bytes = 256 * 1024; // 2.5 MB: ten chunks, the last one short
+  o.shared_memory_ring = false;
+  auto ca = make_host_communicator(*a, m, addresses, alive, o);
+  auto cb = make_host_communicator(*b, m, addresses, alive, o);
+  REQUIRE(ca);
+  REQUIRE(cb);
+  const size_t count = 625000 + 3;
+  for (int round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    const size_t root = round % 2;
+    // Rounds 2 and 3: the receiver enters late, so the root waits for its
+    // word that the receives are posted (nothing is sent before).
+    const bool late_receiver = round >= 2;
+    std::vector<float> x(count), y(count, -1.0f);
+    for (size_t i = 0; i < count; ++i)
+      x[i] = static_cast<float>((i * 7 + round) % 1009);
+    auto& sender = root == 0 ? *ca : *cb;
+    auto& receiver = root == 0 ? *cb : *ca;
+    caf::error es, er;
+    std::thread t([&] {
+      if (late_receiver)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      er = receiver->broadcast(y.data(), count, dtype::float32, root);
+    });
+    es = sender->broadcast(x.data(), count, dtype::float32, root);
+    t.join();
+    REQUIRE_FALSE(es);
+    REQUIRE_FALSE(er);
+    CHECK(std::memcmp(x.data(), y.data(), count * sizeof(float)) == 0);
   }
 }
 
