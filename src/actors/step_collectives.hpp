@@ -26,9 +26,11 @@
 
 namespace cmesh::actors {
 
-/// Seconds on the monotonic clock (the comm time of a step).
-inline double step_clock_s() {
-  return static_cast<double>(mono_ns()) / 1e9;
+/// The flat range [a, b) of units first..last-1 of `m`.
+inline std::pair<size_t, size_t> unit_range(const model::model& m, size_t first, size_t last) {
+  const auto& ts = m.tensors();
+  CMESH_CHECK(first < last && last <= ts.size());
+  return {ts[first].offset, ts[last - 1].offset + ts[last - 1].size};
 }
 
 /// Expert parallelism over the replica group's communicator; the first
@@ -348,9 +350,7 @@ private:
     return {};
   }
   std::pair<size_t, size_t> range(size_t first, size_t last) const {
-    const auto& ts = model_->tensors();
-    CMESH_CHECK(first < last && last <= ts.size());
-    return {ts[first].offset, ts[last - 1].offset + ts[last - 1].size};
+    return unit_range(*model_, first, last);
   }
   /// Each rank's piece of [a, b) into counts_; this rank's starts at lo_.
   size_t pieces(size_t a, size_t b) {
@@ -359,9 +359,9 @@ private:
   }
   template <class F>
   caf::error timed(F&& f) {
-    const double t0 = step_clock_s();
+    const double t0 = mono_s();
     auto e = f();
-    *comm_s_ += step_clock_s() - t0;
+    *comm_s_ += mono_s() - t0;
     return e;
   }
 
@@ -449,9 +449,7 @@ public:
   void unit_done(size_t first, size_t last) override {
     if (!armed_)
       return;
-    const auto& ts = model_->tensors();
-    CMESH_CHECK(first < last && last <= ts.size());
-    const size_t a = ts[first].offset, b = ts[last - 1].offset + ts[last - 1].size;
+    const auto [a, b] = unit_range(*model_, first, last);
     if (hi_ > lo_ && (b == lo_ || a == hi_)) { // adjacent: one collective for both
       lo_ = std::min(lo_, a);
       hi_ = std::max(hi_, b);

@@ -38,10 +38,6 @@ void maybe_hang() {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
 }
 
-double now_s() {
-  return static_cast<double>(mono_ns()) / 1e9;
-}
-
 /// Linear warm-up, then cosine decay to a tenth of the peak.
 double learning_rate(const model::train_config& t, uint64_t step) {
   if (step < t.warmup)
@@ -131,9 +127,9 @@ struct trainer::impl {
   void collective(caf::error& latched, F&& f) {
     if (latched)
       return;
-    double t0 = now_s();
+    double t0 = mono_s();
     latched = f();
-    comm_s += now_s() - t0;
+    comm_s += mono_s() - t0;
   }
 
   void init_state(size_t n, uint32_t rank) {
@@ -396,7 +392,7 @@ expected<train_result> trainer::run() {
   }
   const bool unit_overlap = whole_weights && I.lane;
   train_result result;
-  const double t_start = now_s();
+  const double t_start = mono_s();
   const double tokens_per_step = static_cast<double>(tc.global_batch * tc.seq_len);
   train_state st{0, master, I.adam_m, I.adam_v, I.scalars};
   apply_update replay = [&](uint64_t k, std::span<const float> u) {
@@ -454,7 +450,7 @@ expected<train_result> trainer::run() {
     const uint64_t step = st.step;
     auto& comm = *I.comm;
     const size_t world = comm.size();
-    const double t0 = now_s();
+    const double t0 = mono_s();
     I.comm_s = 0;
     caf::error latched;
     // The full working weights from the group's shards (bf16: the master
@@ -570,11 +566,11 @@ expected<train_result> trainer::run() {
     // fp32; S == 1: `update` is `grads`), unit by unit during the last
     // backward pass (overlap), else now as one piece.
     auto sum_whole = [&] {
-      const double t0 = now_s();
+      const double t0 = mono_s();
       if (!unit_overlap && !latched)
         I.reducer.whole();
       auto e = I.reducer.finish();
-      I.comm_s += now_s() - t0;
+      I.comm_s += mono_s() - t0;
       if (!e && !latched && I.reducer.covered() != grads.size())
         e = make_error(errc::invalid_argument,
                        fmt::format("the model reported finished gradients of {} of its {} "
@@ -690,7 +686,7 @@ expected<train_result> trainer::run() {
     }
     ++st.step;
     ++committed_here;
-    const double dt = now_s() - t0;
+    const double dt = mono_s() - t0;
     step_report rep;
     rep.step = st.step;
     rep.loss = stats[0] / static_cast<double>(micro_total);
@@ -711,7 +707,7 @@ expected<train_result> trainer::run() {
       I.o.on_step(rep);
   }
   result.steps = st.step;
-  result.seconds = now_s() - t_start;
+  result.seconds = mono_s() - t_start;
   result.tokens_per_s =
     tokens_per_step * static_cast<double>(committed_here) / std::max(result.seconds, 1e-9);
   // The hash of the final fp32 weights, from the group's masters.

@@ -43,4 +43,9 @@ inline int64_t mono_ns() {
     .count();
 }
 
+/// The same clock in seconds.
+inline double mono_s() {
+  return static_cast<double>(mono_ns()) / 1e9;
+}
+
 } // namespace cmesh

@@ -48,9 +48,11 @@ struct train_config {
   // Run the step's collectives on a thread of their own while the model
   // computes. Full sharding: the next unit's weights are gathered, and the
   // last unit's gradient reduce-scattered, while a unit computes (one more
-  // unit's weights and gradient held). Whole weights, one rank per group:
-  // each unit's gradient is all-reduced over the groups as soon as the
-  // step's last micro-batch is done with it.
+  // unit's weights and gradient held). Whole weights: each unit's gradient
+  // is summed over the groups (one rank per group: all-reduced; several:
+  // reduce-scattered over the group, then all-reduced over the shard's
+  // holders) as soon as the step's last micro-batch is done with it. Not
+  // with exact mode.
   bool overlap = true;
   // Experts split over a group's ranks (S > 1, not exact): "balanced"
   // places them per micro-batch by load (the placement solver), with at

@@ -73,17 +73,6 @@ expected<bulk_protocol> default_bulk_protocol();
 
 /// One UCP worker for the collectives of this process. A UCX_RNDV_THRESH in
 /// the environment overrides `bulk`.
-class host_context;
-
-/// A context for one-shot bulk transfers between fresh workers (a
-/// catch-up's snapshot and stream): eager, no spare worker, and a receive
-/// FIFO of 8 fragments instead of 64. A sender first touches every receive
-/// buffer the FIFO cycles through, in the receiver's segments it maps
-/// then: with 64 of 32 KiB that first touch cost a cold 26.8 MB broadcast
-/// about 10 ms, 4/5 of its time, on the machines measured; with 8 it is
-/// an eighth of that, and a warm broadcast moves as fast.
-expected<std::shared_ptr<host_context>> transfer_context(uint32_t rank);
-
 class host_context {
 public:
   /// `bulk` unset: default_bulk_protocol(). `keep_spare_worker`: make the
@@ -125,6 +114,15 @@ private:
   host_context();
   std::unique_ptr<impl> impl_;
 };
+
+/// A context for one-shot bulk transfers between fresh workers (a
+/// catch-up's snapshot and stream): eager, no spare worker, and a receive
+/// FIFO of 8 fragments instead of 64. A sender first touches every receive
+/// buffer the FIFO cycles through, in the receiver's segments it maps
+/// then: with 64 of 32 KiB that first touch cost a cold 26.8 MB broadcast
+/// about 10 ms, 4/5 of its time, on the machines measured; with 8 it is
+/// an eighth of that, and a warm broadcast moves as fast.
+expected<std::shared_ptr<host_context>> transfer_context(uint32_t rank);
 
 /// Builds the communicator of `members` (this rank must be one): publishes
 /// this worker's address under the epoch's namespace, reads the others' and
