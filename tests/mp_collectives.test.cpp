@@ -12,13 +12,25 @@ using namespace cmesh;
 using namespace cmesh::testing;
 using namespace std::chrono_literals;
 
+namespace {
+using env_list = std::vector<std::pair<std::string, std::string>>;
+} // namespace
+
 TEST_CASE("every operation, dtype and size matches a serial reference") {
   auto s = test_seed();
   MESSAGE("seed " << s << " (set CMESH_SEED to replay)");
-  // 64 MiB of float32 once, at 2 ranks; smaller sizes at 2, 3 and 4 ranks.
-  for (uint32_t n : {2u, 3u, 4u}) {
+  // 64 MiB of float32 once, at 2 ranks; smaller sizes at 2, 3 and 4 ranks,
+  // through the shared-memory ring and (3 and 4 ranks) the UCX ring that
+  // members on several hosts take.
+  struct layout {
+    uint32_t n;
+    bool shm;
+  };
+  for (auto [n, shm] : {layout{2, true}, layout{3, true}, layout{4, true}, layout{3, false},
+                        layout{4, false}}) {
     CAPTURE(n);
-    node_harness h(n);
+    CAPTURE(shm);
+    node_harness h(n, shm ? env_list{} : env_list{{"CMESH_COLL_SHM_RING", "0"}});
     std::string big = n == 2 ? std::to_string(16u << 20) : "0";
     h.spawn_all("cmesh_test_coll", {"ops", std::to_string(s), big});
     for (uint32_t r = 0; r < n; ++r) {
@@ -26,10 +38,10 @@ TEST_CASE("every operation, dtype and size matches a serial reference") {
       REQUIRE(rep);
       INFO("rank " << r << ": " << rep->value);
       CHECK(rep->value.rfind("ok ", 0) == 0);
-      // Two members of one host took the shared-memory ring; more took UCX.
+      // Members of one host take the shared-memory ring unless it is off.
       auto path = h.report(r, "path", 60s);
       REQUIRE(path);
-      CHECK(path->value == (n == 2 ? "shm" : "ucx"));
+      CHECK(path->value == (shm ? "shm" : "ucx"));
     }
     for (auto& f : h.reports("fatal"))
       FAIL("rank " << f.rank << ": " << f.value);
@@ -37,11 +49,16 @@ TEST_CASE("every operation, dtype and size matches a serial reference") {
 }
 
 TEST_CASE("SIGKILL in a 64 MiB all_reduce: survivors get peer_lost naming the rank, rebuild, go on") {
-  // 3 ranks: the ring over UCX; 2 ranks: the shared-memory ring.
-  for (uint32_t n : {3u, 2u}) {
+  // The shared-memory ring at 3 and 2 ranks, the UCX ring at 3.
+  struct layout {
+    uint32_t n;
+    bool shm;
+  };
+  for (auto [n, shm] : {layout{3, true}, layout{3, false}, layout{2, true}}) {
   CAPTURE(n);
+  CAPTURE(shm);
   const uint32_t victim = 1;
-  node_harness h(n);
+  node_harness h(n, shm ? env_list{} : env_list{{"CMESH_COLL_SHM_RING", "0"}});
   h.spawn_all("cmesh_test_coll", {"kill", std::to_string(victim)});
   for (uint32_t r = 0; r < n; ++r)
     REQUIRE(h.report(r, "looping", 60s));

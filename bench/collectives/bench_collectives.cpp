@@ -5,7 +5,7 @@
 //   cmesh_bench_collectives [OPTIONS]          the driver: runs everything below and
 //                                              prints the comparison tables
 //   cmesh_bench_collectives node bw CHUNKS SMALL_MAX SPIN PHASES
-//                                              one rank of the 2-process bandwidth job
+//                                              one rank of the bandwidth job (--ranks processes)
 //   cmesh_bench_collectives node rebuild [stale]
 //                                              one rank of the 4-process rebuild job
 //   (a node gets CMESH_COORDINATOR / CMESH_RANK / CMESH_WORLD_SIZE from the driver)
@@ -15,6 +15,7 @@
 //                      <repo root>/../shared/anchors/run.sh, the repo root found by
 //                      walking up to .git from the executable and the working directory)
 //   --no-anchors       skip OpenMPI and Gloo
+//   --ranks N          processes of the bandwidth job and of the anchors (default 2)
 //   --rounds N         rounds (default 2): each runs memcpy, the cmesh job (fresh
 //                      processes) and the anchors, in that order; every figure in the
 //                      tables is the best of the rounds, the same for every peer (this
@@ -42,7 +43,7 @@
 // about), CMESH_BENCH_STALE_EPOCH (the last epoch of --stale-check; 258 is the control).
 // A node that takes SIGSEGV or SIGBUS prints a backtrace (addr2line -e ... +OFFSET).
 //
-// all_reduce: float32 sum, in place, 2 processes, 16 KiB .. 64 MiB by 4x, with the
+// all_reduce: float32 sum, in place, 2 processes (--ranks N: N), 16 KiB .. 64 MiB by 4x, with the
 // iteration scheme of mpi_allreduce.c: 100 timed iterations up to 4 MiB, 10 above,
 // after a barrier. Before them: one checked all_reduce (every element must be the
 // exact sum) and warm-ups (10 / 1). Each job first primes its workers (500
@@ -248,7 +249,7 @@ std::string time_phases(node& nd, communicator& comm, std::vector<float>& buf) {
   return {};
 }
 
-/// The 2-process bandwidth job. One communicator per chunk size (epochs 1..k),
+/// The bandwidth job (2 processes, or --ranks). One communicator per chunk size (epochs 1..k),
 /// measured size-major with the chunk order rotating from size to size, so
 /// that every chunk size sees about the same machine. Sizes up to small_max
 /// take recursive doubling whatever the chunk: only chunks[0] measures them.
@@ -575,13 +576,13 @@ struct job {
 using bw_table = std::map<std::pair<size_t, size_t>, double>;
 
 /// `env`: what the nodes get besides the job's own variables.
-std::string run_bw(const std::vector<size_t>& chunks, size_t small_max, int64_t spin, bool phases,
-                   bool verbose, const std::vector<std::pair<std::string, std::string>>& env,
+std::string run_bw(uint32_t ranks, const std::vector<size_t>& chunks, size_t small_max, int64_t spin,
+                   bool phases, bool verbose, const std::vector<std::pair<std::string, std::string>>& env,
                    bw_table& out, std::string& phase_line) {
   std::string list;
   for (auto c : chunks)
     list += (list.empty() ? "" : ",") + std::to_string(c);
-  job jb(2, {"bw", list, std::to_string(small_max), std::to_string(spin), phases ? "1" : "0"},
+  job jb(ranks, {"bw", list, std::to_string(small_max), std::to_string(spin), phases ? "1" : "0"},
          verbose, env);
   auto done = jb.await(0, "done", 170s);
   for (auto& r : jb.coord.reports()) {
@@ -785,6 +786,7 @@ struct driver_opts {
   std::optional<std::string> anchors;
   bool no_anchors = false;
   bool no_rebuild = false;
+  uint32_t ranks = 2;
   bool verbose = false;
   std::vector<size_t> chunks{256 * kib, 512 * kib, mib, 2 * mib};
   size_t small_max = host_options{}.small_bytes_max;
@@ -812,8 +814,10 @@ int driver(const driver_opts& o) {
   const auto t_start = mono_ns();
   auto secs = [](int64_t since) { return static_cast<double>(mono_ns() - since) / 1e9; };
   std::printf("cmesh collectives benchmark: host backend (UCX), %u cores; all_reduce float32 sum,"
-              " in place, 2 processes; 1 GB = 1e9 B\n",
-              std::thread::hardware_concurrency());
+              " in place, %u processes; 1 GB = 1e9 B\n",
+              std::thread::hardware_concurrency(), o.ranks);
+  // The anchors' script reads its process count from NRANKS.
+  ::setenv("NRANKS", std::to_string(o.ranks).c_str(), 1);
   std::string clist;
   for (auto c : chunks)
     clist += (clist.empty() ? "" : ", ") + chunk_label(c);
@@ -848,7 +852,7 @@ int driver(const driver_opts& o) {
     bw_table bw;
     auto t0 = mono_ns();
     std::string phase_line;
-    auto bw_err = run_bw(chunks, o.small_max, o.spin, o.phases, o.verbose, {}, bw, phase_line);
+    auto bw_err = run_bw(o.ranks, chunks, o.small_max, o.spin, o.phases, o.verbose, {}, bw, phase_line);
     if (!phase_line.empty())
       std::printf("  round %d: phases: %s\n", round, phase_line.c_str());
     std::printf("  round %d: cmesh all_reduce done in %.1f s%s%s\n", round, secs(t0),
@@ -865,7 +869,7 @@ int driver(const driver_opts& o) {
       t0 = mono_ns();
       std::string unused;
       auto rv_err =
-        run_bw({default_chunk}, o.small_max, o.spin, false, o.verbose, path.env, rv, unused);
+        run_bw(o.ranks, {default_chunk}, o.small_max, o.spin, false, o.verbose, path.env, rv, unused);
       std::printf("  round %d: cmesh all_reduce, %s, done in %.1f s%s%s\n", round,
                   path.label.c_str(), secs(t0), rv_err.empty() ? "" : ": ERROR ", rv_err.c_str());
       std::fflush(stdout);
@@ -999,7 +1003,7 @@ int driver(const driver_opts& o) {
               mc, rows_pass, rows);
 
   // -- paths ---------------------------------------------------------------------------
-  std::printf("\npaths, busbw GB/s, best of %d round(s), chunk %s: the default (two members: the"
+  std::printf("\npaths, busbw GB/s, best of %d round(s), chunk %s: the default (members on one host: the"
               " shared-memory ring above %s, UCX eager below) against the UCX ring it replaces,"
               " eager (copied through UCX's shared receive queue) and rendezvous (the receiver"
               " pulls with CMA)\n",
@@ -1092,7 +1096,7 @@ int driver(const driver_opts& o) {
 int usage() {
   std::fprintf(stderr,
                "usage: cmesh_bench_collectives [--anchors PATH] [--no-anchors] [--chunks LIST]\n"
-               "                               [--small-max BYTES] [--spin N] [--rounds N]"
+               "                               [--small-max BYTES] [--spin N] [--ranks N] [--rounds N]"
                " [--phases]"
                " [--reps N]\n"
                "                               [--no-rebuild] [--stale-check] [--verbose]\n"
@@ -1135,6 +1139,8 @@ int main(int argc, char** argv) {
         o.stale_check = true;
       } else if (args[i] == "--phases") {
         o.phases = true;
+      } else if (args[i] == "--ranks") {
+        o.ranks = static_cast<uint32_t>(std::clamp(std::atoi(value().c_str()), 2, 16));
       } else if (args[i] == "--rounds") {
         o.rounds = std::max(1, std::atoi(value().c_str()));
       } else if (args[i] == "--reps") {

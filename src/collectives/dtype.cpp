@@ -99,6 +99,16 @@ void apply(T* __restrict d, const T* __restrict s, size_t n, Op op) {
     d[i] = op(d[i], s[i]);
 }
 
+template <class T, class Op>
+void apply_to(T* __restrict d, const T* __restrict a, const T* __restrict b, size_t n, Op op) {
+  size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    for (size_t j = 0; j < kBlock; ++j)
+      d[i + j] = op(a[i + j], b[i + j]);
+  for (; i < n; ++i)
+    d[i] = op(a[i], b[i]);
+}
+
 // Checked int64 sum with a sticky overflow marker: an element whose sum
 // overflowed, or either of whose operands is the marker (INT64_MIN), becomes
 // INT64_MIN. So an overflow anywhere in a distributed reduction shows in the
@@ -200,6 +210,46 @@ bool reduce_into(void* dst, const void* src, size_t count, dtype t, reduce_op op
       }
       return add_checked(d, s, count);
     }
+  }
+  return true;
+}
+
+namespace {
+
+template <class T, class Add, class Max>
+void apply_to_typed(void* dst, const void* a, const void* b, size_t count, bool is_max) {
+  auto* d = static_cast<T*>(dst);
+  auto* x = static_cast<const T*>(a);
+  auto* y = static_cast<const T*>(b);
+  if (is_max)
+    apply_to(d, x, y, count, Max{});
+  else
+    apply_to(d, x, y, count, Add{});
+}
+
+} // namespace
+
+bool reduce_to(void* dst, const void* a, const void* b, size_t count, dtype t, reduce_op op) {
+  bool is_max = op == reduce_op::max;
+  if (op != reduce_op::sum && op != reduce_op::avg && !is_max)
+    return true; // not a reduce_op: nothing to do
+  switch (t) {
+    case dtype::float32:
+      apply_to_typed<float, f32_add, f32_max>(dst, a, b, count, is_max);
+      return true;
+    case dtype::bfloat16:
+      apply_to_typed<uint16_t, bf16_add, bf16_max>(dst, a, b, count, is_max);
+      return true;
+    case dtype::int64:
+      if (is_max) {
+        apply_to(static_cast<int64_t*>(dst), static_cast<const int64_t*>(a),
+                 static_cast<const int64_t*>(b), count, i64_max{});
+        return true;
+      }
+      // The checked sum keeps its one loop: a copy, then the sum in place.
+      if (count > 0)
+        std::memcpy(dst, a, count * sizeof(int64_t));
+      return add_checked(static_cast<int64_t*>(dst), static_cast<const int64_t*>(b), count);
   }
   return true;
 }

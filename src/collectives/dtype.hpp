@@ -48,6 +48,12 @@ constexpr dtype dtype_of<int64_t>() { return dtype::int64; }
 /// an overflow anywhere in a distributed sum reaches every member's result.
 [[nodiscard]] bool reduce_into(void* dst, const void* src, size_t count, dtype t, reduce_op op);
 
+/// dst[i] = a[i] (op) b[i] for i < count, in one pass: reduce_into with the
+/// first operand elsewhere (the same bits, the same overflow rules). dst must
+/// not overlap a or b.
+[[nodiscard]] bool reduce_to(void* dst, const void* a, const void* b, size_t count, dtype t,
+                             reduce_op op);
+
 /// Divides each element by n (the end of an avg); int64 truncates toward zero.
 void scale_down(void* buf, size_t count, dtype t, size_t n);
 

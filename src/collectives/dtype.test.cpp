@@ -119,12 +119,19 @@ void check_against_reference(uint64_t seed) {
         std::vector<T> expect(n);
         for (size_t i = 0; i < n; ++i)
           expect[i] = ref_op(d[offset + i], s[offset + i], op);
+        // reduce_to: the same result into a third buffer.
+        std::vector<T> to(n + offset);
+        CHECK(reduce_to(to.data() + offset, d.data() + offset, s.data() + offset, n,
+                        dtype_of<T>(), op));
         bool ok = reduce_into(d.data() + offset, s.data() + offset, n, dtype_of<T>(), op);
         CHECK(ok);
-        size_t mismatches = 0;
-        for (size_t i = 0; i < n; ++i)
+        size_t mismatches = 0, mismatches_to = 0;
+        for (size_t i = 0; i < n; ++i) {
           mismatches += !equal_elem(d[offset + i], expect[i]);
+          mismatches_to += !equal_elem(to[offset + i], expect[i]);
+        }
         CHECK(mismatches == 0);
+        CHECK(mismatches_to == 0);
       }
 }
 
@@ -256,6 +263,9 @@ TEST_CASE("reduce_into int64 sum detects overflow") {
       CAPTURE(at);
       std::vector<int64_t> d(n, 1), s(n, 2);
       d[at] = big;
+      std::vector<int64_t> to(n);
+      CHECK_FALSE(reduce_to(to.data(), d.data(), s.data(), n, dtype::int64, reduce_op::sum));
+      CHECK(to[at] == small);
       CHECK_FALSE(reduce_into(d.data(), s.data(), n, dtype::int64, reduce_op::sum));
       CHECK(d[at] == small); // the marker, sticky for every later sum
       CHECK_FALSE(reduce_into(d.data(), s.data(), n, dtype::int64, reduce_op::sum));

@@ -222,10 +222,18 @@ std::string host_context::address() const {
 namespace {
 
 constexpr uint64_t slot_bits = 18;
-// The two-member shared-memory ring: chunks in flight ahead of those
-// received, and slots per ring (see shm_exchange).
+// The shared-memory ring: chains a member runs at once, and slots per ring
+// (more than 2 x window, see shm_ring_run).
 constexpr size_t shm_ring_window = 2;
 constexpr size_t shm_ring_slots = 4 * shm_ring_window;
+static_assert(shm_ring_slots > 2 * shm_ring_window);
+// Its messages' tags: operation (22 bits) | phase (2) | step (16) | chunk (24).
+constexpr uint64_t shm_chunk_mask = (uint64_t{1} << 24) - 1;
+constexpr uint64_t shm_step_shift = 24;
+constexpr uint64_t shm_step_mask = (uint64_t{1} << 16) - 1;
+constexpr uint64_t shm_phase_shift = 40;
+constexpr uint64_t shm_op_shift = 42;
+constexpr uint64_t shm_op_mask = (uint64_t{1} << 22) - 1;
 // The tag slots of the ring's set-up messages (ring chunks take the low ones).
 constexpr uint64_t shm_slot_locator = (uint64_t{1} << slot_bits) - 1;
 constexpr uint64_t shm_slot_attached = (uint64_t{1} << slot_bits) - 2;
@@ -377,22 +385,28 @@ private:
                                  const std::vector<span_el>& blocks, dtype t, reduce_op op);
   caf::error ring_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t);
   caf::error chain_broadcast(uint8_t* buf, size_t count, dtype t, size_t root);
-  // The shared-memory ring of a two-member communicator (shm_ring.hpp).
+  // The shared-memory ring of a communicator on one host (shm_ring.hpp).
   caf::error decide_shm();
-  template <class Source, class Sink>
-  caf::error shm_exchange(uint64_t phase, size_t nchunks, Source&& source, Sink&& sink);
-  caf::error shm_reduce_scatter(const uint8_t* in, uint8_t* out_own,
-                                const std::vector<span_el>& blocks, dtype t, reduce_op op);
-  caf::error shm_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t);
-  caf::error shm_all_reduce(uint8_t* buf, const std::vector<span_el>& blocks, dtype t,
-                            reduce_op op);
-  /// A ring message's tag: the operation, the phase (1 reduce-scatter, 2
-  /// all-gather) and the chunk.
-  uint64_t shm_tag(uint64_t phase, size_t c) const { return (tag_op_ << 40) | (phase << 32) | c; }
-  /// Chunks per block of a two-member split (the larger block's; at least one).
+  enum class shm_job : uint8_t { reduce_scatter, all_gather, all_reduce };
+  /// reduce_scatter: `in` the whole input, `own_out` this member's block of
+  /// the output. all_gather: `full` the output, this member's block in place.
+  /// all_reduce: all three the one buffer (own_out at this member's block).
+  caf::error shm_ring_run(shm_job job, const uint8_t* in, uint8_t* own_out, uint8_t* full,
+                          const std::vector<span_el>& blocks, dtype t, reduce_op op);
+  /// A ring message's tag: the operation, the phase (0 reduce-scatter, 1
+  /// all-gather), the step and the chunk.
+  uint64_t shm_tag(uint64_t phase, size_t step, size_t c) const {
+    return ((tag_op_ & shm_op_mask) << shm_op_shift) | (phase << shm_phase_shift)
+           | ((static_cast<uint64_t>(step) & shm_step_mask) << shm_step_shift)
+           | (static_cast<uint64_t>(c) & shm_chunk_mask);
+  }
+  /// Chunks per block (the largest block's; at least one).
   size_t shm_chunks(const std::vector<span_el>& blocks, dtype t) const {
     const size_t ce = chunk_elems(t);
-    return std::max<size_t>(1, (std::max(blocks[0].count, blocks[1].count) + ce - 1) / ce);
+    size_t most = 0;
+    for (auto& b : blocks)
+      most = std::max(most, b.count);
+    return std::max<size_t>(1, (most + ce - 1) / ce);
   }
   /// One turn of a shared-memory loop: spins while messages move, else
   /// counts as idle; checks failures, the abort flag and the deadline.
@@ -400,7 +414,7 @@ private:
     if (moved)
       idle_polls_ = 0;
     else
-      waiting_on_ = 1 - me_;
+      waiting_on_ = left();
     return progress();
   }
   /// A ring message of `bytes` where `want` were due: malformed.
@@ -421,8 +435,8 @@ private:
   host_options opts_;
   std::vector<ucp_ep_h> eps_;
   std::vector<void*> closing_;
-  shm_ring rx_ring_; // the peer writes, this member reads
-  shm_ring tx_ring_; // this member writes into the peer's
+  shm_ring rx_ring_; // the left neighbour writes, this member reads
+  shm_ring tx_ring_; // this member writes into the right neighbour's
   bool shm_untried_ = false; // the ring is decided at the first ring operation
   bool shm_ = false;
 
@@ -482,7 +496,7 @@ caf::error host_comm::connect(const std::vector<std::string>& addresses) {
     UCS_CHECK(ucp_ep_create(worker(), &ep, &eps_[i]));
   }
   shm_untried_ =
-    n() == 2 && opts_.shared_memory_ring && env_string("CMESH_COLL_SHM_RING") != "0";
+    n() > 1 && opts_.shared_memory_ring && env_string("CMESH_COLL_SHM_RING") != "0";
   return {};
 }
 
@@ -490,14 +504,12 @@ caf::error host_comm::decide_shm() {
   if (!shm_untried_)
     return {};
   shm_untried_ = false;
-  // Inside the first operation that runs the ring (both members run the same
-  // operations, so it is the same one on both sides), not while the
+  // Inside the first operation that runs the ring (every member runs the
+  // same operations, so it is the same one everywhere), not while the
   // communicator is built: there, a member whose peer never builds (it left
   // for a newer epoch meanwhile) would wait out the timeout where nothing
-  // can abort it. Both members learn whether both directions work, so both
-  // pick the same path: a process of another host (or namespace) fails to
-  // attach.
-  const size_t peer = 1 - me_;
+  // can abort it. Every member learns whether every link works, so all pick
+  // the same path: a process of another host (or namespace) fails to attach.
   // Every dtype's chunk fits: chunk_elems(t) x size_of(t) <= chunk_bytes (or one element).
   const size_t slot_bytes = std::max<size_t>(opts_.chunk_bytes, 8);
   int64_t mine[5] = {0, -1, 0, 0, 0}, theirs[5] = {};
@@ -512,9 +524,10 @@ caf::error host_comm::decide_shm() {
   } else {
     spdlog::debug("shared-memory ring unavailable: {}", describe(rx.error()));
   }
-  isend(peer, mine, sizeof mine, shm_slot_locator);
-  auto e = wait(irecv(peer, theirs, sizeof theirs, shm_slot_locator));
-  int64_t attached = 0, peer_attached = 0;
+  // The left neighbour writes into this member's ring; this member into the right's.
+  isend(left(), mine, sizeof mine, shm_slot_locator);
+  auto e = wait(irecv(right(), theirs, sizeof theirs, shm_slot_locator));
+  int64_t attached = 0;
   if (!e && theirs[1] >= 0) {
     shm_ring_locator where{theirs[0], theirs[1], static_cast<uint64_t>(theirs[2]),
                            static_cast<uint64_t>(theirs[3]), static_cast<uint64_t>(theirs[4])};
@@ -522,22 +535,28 @@ caf::error host_comm::decide_shm() {
       tx_ring_ = std::move(*tx);
       attached = 1;
     } else {
-      spdlog::debug("shared-memory ring of rank {} not attached: {}", m_.ranks[peer],
+      spdlog::debug("shared-memory ring of rank {} not attached: {}", m_.ranks[right()],
                     describe(tx.error()));
     }
   }
+  // Everyone learns whether every member attached: all take the rings or none.
+  std::vector<int64_t> verdicts(n(), 0);
+  verdicts[me_] = attached;
   if (!e) {
-    isend(peer, &attached, sizeof attached, shm_slot_attached);
-    e = wait(irecv(peer, &peer_attached, sizeof peer_attached, shm_slot_attached));
+    for (size_t i = 0; i < n(); ++i)
+      if (i != me_)
+        irecv(i, &verdicts[i], sizeof(int64_t), shm_slot_attached);
+    for (size_t i = 0; i < n(); ++i)
+      if (i != me_)
+        isend(i, &verdicts[me_], sizeof(int64_t), shm_slot_attached);
+    e = wait_all(); // also the sends of stack buffers
   }
-  if (!e)
-    e = wait_all(); // the sends of stack buffers
   if (e)
     return e;
-  shm_ = attached == 1 && peer_attached == 1 && rx;
+  shm_ = rx && std::all_of(verdicts.begin(), verdicts.end(), [](int64_t v) { return v == 1; });
   if (shm_) {
     rx_ring_ = std::move(*rx);
-    rx_ring_.close_descriptor(); // mapped by the peer: the mapping keeps it
+    rx_ring_.close_descriptor(); // mapped by the left neighbour: the mapping keeps it
   } else {
     tx_ring_ = shm_ring{};
   }
@@ -814,7 +833,7 @@ caf::error host_comm::ring_reduce_scatter(const uint8_t* in, uint8_t* out_own,
   if (auto e = decide_shm())
     return e;
   if (shm_)
-    return shm_reduce_scatter(in, out_own, blocks, t, op);
+    return shm_ring_run(shm_job::reduce_scatter, in, out_own, nullptr, blocks, t, op);
   const size_t es = size_of(t);
   const size_t ce = chunk_elems(t);
   size_t max_block = 0;
@@ -897,7 +916,7 @@ caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& 
   if (auto e = decide_shm())
     return e;
   if (shm_)
-    return shm_all_gather(out, blocks, t);
+    return shm_ring_run(shm_job::all_gather, nullptr, nullptr, out, blocks, t, reduce_op::sum);
   const size_t es = size_of(t);
   const size_t ce = chunk_elems(t);
   size_t max_block = 0;
@@ -956,150 +975,126 @@ caf::error host_comm::ring_all_gather(uint8_t* out, const std::vector<span_el>& 
   return wait_all();
 }
 
-// Two members: each chunk of the peer's block goes into the peer's ring, each
-// chunk of this member's block comes out of its own. At most `window` chunks
-// are sent ahead of those received, so neither ring can hold more than
-// 2 x window messages (a member sends at most window + what it has received;
-// it has received at most what the peer sent): rings of at least 2 x window
-// slots (shm_ring_slots) never make a writer wait on a reader that waits on it.
-template <class Source, class Sink>
-caf::error host_comm::shm_exchange(uint64_t phase, size_t nchunks, Source&& source, Sink&& sink) {
-  const size_t peer = 1 - me_;
-  size_t sent = 0, received = 0;
-  while (received < nchunks) {
+// The shared-memory ring: each member reads the ring its left neighbour
+// writes and writes into its right neighbour's. The work is the UCX ring's
+// (reduce-scatter steps, then all-gather steps), one chain per chunk index:
+// a chain is n tokens, one per block, each a message that moves one member
+// to the right per step. A member handles the message at the head of its
+// ring only when it can write the message that follows from it (a partial
+// sum goes on to the right; a final sum or a gathered chunk is forwarded
+// unless this member is the last to receive it) straight into a slot of the
+// right ring: no staging, and a partial sum is written once, from the slot
+// it came in and the member's own contribution. It starts a new chain only
+// while it has finished (received its last message of) all but `window` of
+// those it started. Why no ring can deadlock: a member waits only on a full
+// right ring, so a deadlock needs every ring full, n x slots messages. A
+// token in flight belongs to a chain c with min(finished) <= c <
+// max(started), and max(started) - min(finished) <= 2 x window (a member's
+// last message of a chain needs every other member to have started it), so
+// at most n x 2 x window messages are ever in the rings: with more than 2 x
+// window slots per ring (shm_ring_slots) they are never all full. Messages
+// of one (phase, step) come in chunk order; anything else is malformed.
+caf::error host_comm::shm_ring_run(shm_job job, const uint8_t* in, uint8_t* own_out,
+                                   uint8_t* full, const std::vector<span_el>& blocks, dtype t,
+                                   reduce_op op) {
+  const size_t es = size_of(t), ce = chunk_elems(t), nn = n(), steps = nn - 1;
+  const size_t nchunks = shm_chunks(blocks, t);
+  const bool rs_phase = job != shm_job::all_gather;
+  const bool ag_phase = job != shm_job::reduce_scatter;
+  // The block `back` places to this member's left: reduce-scatter step s
+  // sends block(s + 1) and receives block(s + 2); all-gather step s sends
+  // block(s) and receives block(s + 1). The last reduce-scatter step
+  // receives this member's own block.
+  auto block = [&](size_t back) -> const span_el& { return blocks[(me_ + 2 * nn - back) % nn]; };
+  // Next chunk due per (phase, step), phase 0 the reduce-scatter.
+  std::vector<size_t> due(2 * steps, 0);
+  const size_t receives = nchunks * steps * (rs_phase && ag_phase ? 2 : 1);
+  size_t received = 0, started = 0, finished = 0;
+  auto publish = [&](uint64_t phase, size_t step, size_t c, size_t bytes) {
+    tx_ring_.publish(shm_tag(phase, step, c), bytes);
+  };
+  // The message at the head of the ring, if what follows from it can be
+  // written now; `moved` says whether it was taken.
+  auto take = [&](const uint8_t* data, uint64_t tag, size_t bytes, bool& moved) -> caf::error {
+    const uint64_t phase = (tag >> shm_phase_shift) & 3;
+    const size_t step = static_cast<size_t>((tag >> shm_step_shift) & shm_step_mask);
+    const size_t c = static_cast<size_t>(tag & shm_chunk_mask);
+    const bool known = (phase == 0 ? rs_phase : phase == 1 && ag_phase) && step < steps
+                       && tag == shm_tag(phase, step, c) && c == due[phase * steps + step];
+    if (!known)
+      return make_error(errc::malformed_frame,
+                        fmt::format("{}: shared-memory ring message {:#x} from rank {}", op_name_,
+                                    tag, m_.ranks[left()]));
+    const bool last = step + 1 == steps;
+    const bool forward = phase == 0 ? !last || ag_phase : !last;
+    uint8_t* slot = forward ? tx_ring_.reserve() : nullptr;
+    if (forward && slot == nullptr)
+      return {}; // the right ring is full: this message waits at the head
+    const span_el ch = chunk_of(block(step + 1 + (phase == 0 ? 1 : 0)), c, ce);
+    if (auto e = shm_size_check(bytes, ch.count * es))
+      return e;
+    if (phase == 0 && !last) {
+      // A partial sum: what came in plus this member's share, to the right.
+      (void)reduce_to(slot, data, in + ch.offset * es, ch.count, t, op);
+      publish(0, step + 1, c, bytes);
+    } else if (phase == 0) {
+      // This member's own block, now summed over everyone.
+      uint8_t* dst = own_out + (ch.offset - blocks[me_].offset) * es;
+      const uint8_t* mine = in + ch.offset * es;
+      if (ch.count > 0) {
+        if (dst != mine)
+          std::memcpy(dst, mine, bytes);
+        (void)reduce_into(dst, data, ch.count, t, op); // overflow: the sticky marker
+        if (ag_phase && op == reduce_op::avg)
+          scale_down(dst, ch.count, t, nn);
+        if (ag_phase)
+          std::memcpy(slot, dst, bytes); // still in cache
+      }
+      if (ag_phase)
+        publish(1, 0, c, bytes);
+      else
+        ++finished;
+    } else {
+      if (ch.count > 0) {
+        std::memcpy(full + ch.offset * es, data, bytes);
+        if (!last)
+          std::memcpy(slot, full + ch.offset * es, bytes);
+      }
+      if (!last)
+        publish(1, step + 1, c, bytes);
+      else
+        ++finished;
+    }
+    ++due[phase * steps + step];
+    ++received;
+    rx_ring_.release();
+    moved = true;
+    return {};
+  };
+  while (received < receives || started < nchunks) {
     bool moved = false;
-    while (sent < nchunks && sent < received + shm_ring_window) {
+    uint64_t tag = 0;
+    size_t bytes = 0;
+    // One message a turn, then new chains: taking every message waiting
+    // before starting the next chain cost a 4 MiB all_reduce of two members
+    // 15% of its rate. What follows this operation's last message is the
+    // next operation's.
+    if (received < receives)
+      if (const uint8_t* data = rx_ring_.peek(tag, bytes))
+        if (auto e = take(data, tag, bytes, moved))
+          return e;
+    // A new chain: this member's contribution to the block on its left, or
+    // (all-gather alone) its own block.
+    while (started < nchunks && started < finished + shm_ring_window) {
       uint8_t* slot = tx_ring_.reserve();
       if (slot == nullptr)
         break;
-      auto [src, bytes] = source(sent);
-      if (bytes > 0)
-        std::memcpy(slot, src, bytes);
-      tx_ring_.publish(shm_tag(phase, sent), bytes);
-      ++sent;
-      moved = true;
-    }
-    uint64_t tag = 0;
-    size_t bytes = 0;
-    if (const uint8_t* data = rx_ring_.peek(tag, bytes)) {
-      if (tag != shm_tag(phase, received))
-        return make_error(errc::malformed_frame,
-                          fmt::format("{}: shared-memory ring message {:#x} from rank {}, expected {:#x}",
-                                      op_name_, tag, m_.ranks[peer], shm_tag(phase, received)));
-      if (auto e = sink(received, data, bytes))
-        return e;
-      rx_ring_.release();
-      ++received;
-      moved = true;
-    }
-    if (auto e = shm_poll(moved))
-      return e;
-  }
-  return {};
-}
-
-caf::error host_comm::shm_reduce_scatter(const uint8_t* in, uint8_t* out_own,
-                                         const std::vector<span_el>& blocks, dtype t,
-                                         reduce_op op) {
-  const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
-  return shm_exchange(
-    1, shm_chunks(blocks, t),
-    [&](size_t c) {
-      auto sc = chunk_of(blocks[peer], c, ce);
-      return std::pair<const uint8_t*, size_t>(in + sc.offset * es, sc.count * es);
-    },
-    [&](size_t c, const uint8_t* data, size_t bytes) -> caf::error {
-      auto rc = chunk_of(blocks[me_], c, ce);
-      if (auto e = shm_size_check(bytes, rc.count * es); e || rc.count == 0)
-        return e;
-      uint8_t* dst = out_own + (rc.offset - blocks[me_].offset) * es;
-      const uint8_t* mine = in + rc.offset * es;
-      if (dst != mine)
-        std::memcpy(dst, mine, bytes);
-      (void)reduce_into(dst, data, rc.count, t, op); // overflow: the sticky marker
-      return {};
-    });
-}
-
-caf::error host_comm::shm_all_gather(uint8_t* out, const std::vector<span_el>& blocks, dtype t) {
-  const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
-  return shm_exchange(
-    2, shm_chunks(blocks, t),
-    [&](size_t c) {
-      auto sc = chunk_of(blocks[me_], c, ce);
-      return std::pair<const uint8_t*, size_t>(out + sc.offset * es, sc.count * es);
-    },
-    [&](size_t c, const uint8_t* data, size_t bytes) -> caf::error {
-      auto rc = chunk_of(blocks[peer], c, ce);
-      if (auto e = shm_size_check(bytes, rc.count * es))
-        return e;
-      if (bytes > 0)
-        std::memcpy(out + rc.offset * es, data, bytes);
-      return {};
-    });
-}
-
-// all_reduce of two members in one stream: each reduced chunk of this
-// member's block goes to the peer as soon as it is summed, while it is still
-// in cache, and the all-gather overlaps the reduce-scatter. Both kinds of
-// message share the ring, each in chunk order; a member handles whatever
-// reaches the head of its ring at once (a sum into its own block, or a copy
-// into the peer's), so reading never waits on writing. A chunk of the
-// peer's block is sent (as this member's contribution) before the peer's
-// sum of it can arrive: the peer sums it only after reading it.
-caf::error host_comm::shm_all_reduce(uint8_t* buf, const std::vector<span_el>& blocks, dtype t,
-                                     reduce_op op) {
-  const size_t es = size_of(t), ce = chunk_elems(t), peer = 1 - me_;
-  const size_t nchunks = shm_chunks(blocks, t);
-  constexpr uint64_t rs = 1, ag = 2;
-  size_t rs_sent = 0, rs_done = 0, ag_sent = 0, ag_done = 0;
-  auto send = [&](uint64_t phase, size_t c, const span_el& block) {
-    uint8_t* slot = tx_ring_.reserve();
-    if (slot == nullptr)
-      return false;
-    auto ch = chunk_of(block, c, ce);
-    if (ch.count > 0)
-      std::memcpy(slot, buf + ch.offset * es, ch.count * es);
-    tx_ring_.publish(shm_tag(phase, c), ch.count * es);
-    return true;
-  };
-  while (rs_done < nchunks || ag_done < nchunks || ag_sent < nchunks) {
-    bool moved = false;
-    // Sums first (they are in cache), then contributions up to the window.
-    while (ag_sent < rs_done && send(ag, ag_sent, blocks[me_])) {
-      ++ag_sent;
-      moved = true;
-    }
-    while (rs_sent < nchunks && rs_sent < rs_done + shm_ring_window
-           && send(rs, rs_sent, blocks[peer])) {
-      ++rs_sent;
-      moved = true;
-    }
-    uint64_t tag = 0;
-    size_t bytes = 0;
-    if (const uint8_t* data = rx_ring_.peek(tag, bytes)) {
-      const bool is_rs = rs_done < nchunks && tag == shm_tag(rs, rs_done);
-      const bool is_ag = ag_done < nchunks && tag == shm_tag(ag, ag_done);
-      if (!is_rs && !is_ag)
-        return make_error(errc::malformed_frame,
-                          fmt::format("all_reduce: shared-memory ring message {:#x} from rank {},"
-                                      " expected {:#x} or {:#x}",
-                                      tag, m_.ranks[peer], shm_tag(rs, rs_done), shm_tag(ag, ag_done)));
-      auto ch = chunk_of(blocks[is_rs ? me_ : peer], is_rs ? rs_done : ag_done, ce);
-      if (auto e = shm_size_check(bytes, ch.count * es))
-        return e;
-      if (ch.count > 0) {
-        uint8_t* dst = buf + ch.offset * es;
-        if (is_rs) {
-          (void)reduce_into(dst, data, ch.count, t, op); // overflow: the sticky marker
-          if (op == reduce_op::avg)
-            scale_down(dst, ch.count, t, n());
-        } else {
-          std::memcpy(dst, data, bytes);
-        }
-      }
-      rx_ring_.release();
-      ++(is_rs ? rs_done : ag_done);
+      const span_el ch = chunk_of(rs_phase ? block(1) : blocks[me_], started, ce);
+      const uint8_t* src = rs_phase ? in : full;
+      if (ch.count > 0)
+        std::memcpy(slot, src + ch.offset * es, ch.count * es);
+      publish(rs_phase ? 0 : 1, 0, started, ch.count * es);
+      ++started;
       moved = true;
     }
     if (auto e = shm_poll(moved))
@@ -1180,7 +1175,7 @@ caf::error host_comm::all_reduce(void* buf, size_t count, dtype t, reduce_op op,
       auto own = blocks[me_];
       e = decide_shm();
       if (!e && shm_) {
-        e = shm_all_reduce(b, blocks, t, op);
+        e = shm_ring_run(shm_job::all_reduce, b, b + own.offset * size_of(t), b, blocks, t, op);
       } else if (!e) {
         e = ring_reduce_scatter(b, b + own.offset * size_of(t), blocks, t, op);
         if (!e && op == reduce_op::avg)

@@ -48,9 +48,10 @@ struct host_options {
   /// step, beside training that needs the cores).
   std::chrono::milliseconds sleep_when_idle{0};
   int64_t idle_polls_before_sleep = 2000;
-  /// A two-member communicator whose members share a host moves the ring's
-  /// chunks through a shared-memory ring of its own (4 chunk-sized slots
-  /// per member) instead of UCX. CMESH_COLL_SHM_RING=0 turns it off.
+  /// A communicator whose members all share a host moves the ring's chunks
+  /// through shared-memory rings of its own (each member reads one of 8
+  /// chunk-sized slots, written by its left neighbour) instead of UCX.
+  /// CMESH_COLL_SHM_RING=0 turns it off.
   bool shared_memory_ring = true;
   std::chrono::milliseconds rendezvous_timeout{30000};
 };
@@ -133,7 +134,7 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
   peer_status status, host_options opts = {});
 
 /// Whether `c` is a host communicator whose ring runs through the
-/// shared-memory ring (two members on one host, host_options::shared_memory_ring);
+/// shared-memory rings (members all on one host, host_options::shared_memory_ring);
 /// decided by its first operation that runs the ring, false before.
 bool uses_shared_memory_ring(const communicator& c);
 

@@ -1,7 +1,7 @@
 // A single-producer single-consumer ring of message slots in shared memory,
-// between two processes of one host: the host backend's path for the ring
-// of a two-member communicator (docs/design.md, Collectives: shared-memory
-// ring). The reader creates the segment (memfd) and publishes where it is
+// between two processes of one host: the host backend's path from a member
+// of a communicator to the next, when all are on one host (docs/design.md,
+// Collectives: shared-memory ring). The reader creates the segment (memfd) and publishes where it is
 // (pid, descriptor, a random nonce); the writer maps it through
 // /proc/<pid>/fd/<fd> and checks the nonce, so a process of another host
 // or namespace that happens to have the same pid cannot be mistaken for
