@@ -372,20 +372,11 @@ void agent::impl::on_control(const control_message& m) {
 namespace {
 
 /// Lowers the calling thread's priority by `nice` (Linux: per thread).
-void lower_thread_priority(int nice) {
-  if (nice <= 0)
-    return;
-  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
-  errno = 0;
-  const int now = ::getpriority(PRIO_PROCESS, tid);
-  if (errno == 0 && ::setpriority(PRIO_PROCESS, tid, std::min(19, now + nice)) != 0)
-    spdlog::debug("agent: cannot lower the catch-up thread's priority: {}", std::strerror(errno));
-}
-
 } // namespace
 
 void agent::impl::serve(session_ptr s) {
-  lower_thread_priority(o.catchup_nice);
+  if (!lower_thread_priority(o.catchup_nice))
+    spdlog::debug("agent: cannot lower the catch-up thread's priority: {}", std::strerror(errno));
   const auto& a = s->assign;
   auto fail = [&](const caf::error& e) {
     spdlog::warn("agent: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
@@ -401,6 +392,7 @@ void agent::impl::serve(session_ptr s) {
   // communicator is built, so that at the step boundary the trainer only
   // copies (6 ms for 100 MB).
   const auto t_setup = mono_ns();
+  const auto cpu_setup = thread_cpu_ns();
   {
     std::array<size_t, 4> n;
     {
@@ -447,9 +439,11 @@ void agent::impl::serve(session_ptr s) {
   }
   cv.notify_all();
   spdlog::info("agent: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, context "
-               "{:.1f}, communicator {:.1f})",
+               "{:.1f}, communicator {:.1f}; CPU {:.1f})",
                a.session, a.joiner, (mono_ns() - t_setup) / 1e6, (t_buffers - t_setup) / 1e6,
-               (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6);
+               (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6,
+               (thread_cpu_ns() - cpu_setup) / 1e6);
+  const auto cpu_prepared = thread_cpu_ns();
   {
     std::unique_lock lk(mu);
     if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || !s->want_snapshot; }))
@@ -486,8 +480,10 @@ void agent::impl::serve(session_ptr s) {
   // small, until the agent stops).
   s->drop_state();
   spdlog::info("agent: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
-               "{:.2f} GB/s)",
-               a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
+               "{:.2f} GB/s; CPU from the prepared communicator {:.1f} ms)",
+               a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9),
+               (thread_cpu_ns() - cpu_prepared) / 1e6);
+  const auto cpu_sent = thread_cpu_ns();
   uint64_t streamed = 0;
   for (;;) {
     std::pair<uint64_t, std::vector<float>> item;
@@ -510,8 +506,10 @@ void agent::impl::serve(session_ptr s) {
       int64_t end[2] = {-1, 0};
       if (auto err = comm.broadcast(end, 2, coll::dtype::int64, 0))
         return fail(err);
-      spdlog::info("agent: session {}: stream to rank {} ended after {} update(s)", a.session,
-                   a.joiner, streamed);
+      spdlog::info("agent: session {}: stream to rank {} ended after {} update(s) (CPU {:.1f} ms;"
+                   " the whole session {:.1f} ms)",
+                   a.session, a.joiner, streamed, (thread_cpu_ns() - cpu_sent) / 1e6,
+                   (thread_cpu_ns() - cpu_setup) / 1e6);
       {
         std::lock_guard lk(mu);
         s->comm.reset();

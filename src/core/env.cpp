@@ -1,7 +1,12 @@
 #include "core/env.hpp"
 
+#include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace cmesh {
 
@@ -78,6 +83,17 @@ launch_env read_launch_env(std::string& error) {
   if (read_triplet("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "slurm", out, error))
     return out;
   return out;
+}
+
+bool lower_thread_priority(int nice) {
+  if (nice <= 0)
+    return true;
+  const auto tid = static_cast<id_t>(::syscall(SYS_gettid));
+  errno = 0;
+  const int now = ::getpriority(PRIO_PROCESS, tid);
+  if (errno != 0)
+    return false;
+  return ::setpriority(PRIO_PROCESS, tid, std::min(19, now + nice)) == 0;
 }
 
 } // namespace cmesh

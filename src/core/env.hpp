@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -46,6 +47,18 @@ inline int64_t mono_ns() {
 /// The same clock in seconds.
 inline double mono_s() {
   return static_cast<double>(mono_ns()) / 1e9;
+}
+
+/// Lowers the calling thread's priority by `nice` levels, up to 19 (Linux
+/// nice values are per thread, and lowering one needs no privilege). False,
+/// with errno set, when it could not; `nice` <= 0 leaves it as it is.
+bool lower_thread_priority(int nice);
+
+/// CPU time the calling thread has used, nanoseconds.
+inline int64_t thread_cpu_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
 } // namespace cmesh

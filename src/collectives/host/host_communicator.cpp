@@ -38,9 +38,11 @@ struct host_context::impl {
   uint64_t renewals = 0;
   // The next worker, made ahead on a thread of its own (a UCP context costs
   // 10-30 ms of CPU), so that a renewal after a failure is a swap; only for
-  // contexts created with keep_spare_worker.
+  // contexts created with keep_spare_worker. Nothing waits for it: a
+  // renewal that finds no spare makes its worker itself.
   bool keep_spare = true;
   std::thread spare_maker;
+  bool maker_running = false; // a spare maker is waiting or making
   std::shared_ptr<ucx::worker_handle> spare; // set by spare_maker
   std::condition_variable spare_cv;
   bool closing = false;
@@ -54,11 +56,9 @@ struct host_context::impl {
       retired.push_back(std::move(w));
   }
 
-  ~impl() { stop_spare_maker(); }
-
   /// A maker still waiting out its delay gives up; one making a worker
-  /// finishes it (its spare stays).
-  void stop_spare_maker() {
+  /// finishes it.
+  ~impl() {
     {
       std::lock_guard<std::mutex> g(renewal_mu);
       closing = true;
@@ -66,8 +66,6 @@ struct host_context::impl {
     spare_cv.notify_all();
     if (spare_maker.joinable())
       spare_maker.join();
-    std::lock_guard<std::mutex> g(renewal_mu);
-    closing = false;
   }
 
   expected<std::shared_ptr<ucx::worker_handle>> new_worker() const {
@@ -79,30 +77,40 @@ struct host_context::impl {
 
   /// After `delay`: not at once after a renewal, where the other
   /// survivors rebuild their communicators on the same cores.
-  void make_spare_ahead(std::chrono::milliseconds delay) {
-    spare_maker = std::thread([this, delay] {
-      {
-        std::unique_lock<std::mutex> lk(renewal_mu);
-        if (spare_cv.wait_for(lk, delay, [this] { return closing; }))
-          return;
-      }
+  /// A maker already running (waiting or making) makes the next spare.
+  /// `nice`: levels the maker's thread runs below the caller's.
+  void make_spare_ahead(std::chrono::milliseconds delay, int nice) {
+    {
+      std::lock_guard<std::mutex> g(renewal_mu);
+      if (maker_running)
+        return;
+      maker_running = true;
+    }
+    if (spare_maker.joinable())
+      spare_maker.join(); // the last one, done
+    spare_maker = std::thread([this, delay, nice] {
+      (void) lower_thread_priority(nice); // a hint: at worst it competes as before
       std::vector<std::shared_ptr<ucx::worker_handle>> old;
       {
-        std::lock_guard<std::mutex> g(renewal_mu);
+        std::unique_lock<std::mutex> lk(renewal_mu);
+        if (spare_cv.wait_for(lk, delay, [this] { return closing; })) {
+          maker_running = false;
+          return;
+        }
         old.swap(retired);
       }
       old.clear();
       auto w = new_worker(); // on failure, the renewal makes one itself
       std::lock_guard<std::mutex> g(renewal_mu);
-      if (w)
+      if (w && !spare)
         spare = std::move(*w);
+      maker_running = false;
     });
   }
 
   /// Moves to the spare if it was made, else to a worker made now; then
   /// starts on the next spare.
   caf::error renew() {
-    stop_spare_maker();
     std::shared_ptr<ucx::worker_handle> next;
     {
       std::lock_guard<std::mutex> g(renewal_mu);
@@ -119,7 +127,7 @@ struct host_context::impl {
       ucx = std::move(next);
     }
     if (keep_spare)
-      make_spare_ahead(std::chrono::seconds(2));
+      make_spare_ahead(std::chrono::seconds(2), 0); // ready for the next failure
     return {};
   }
 
@@ -168,8 +176,11 @@ expected<std::shared_ptr<host_context>> host_context::create(uint32_t rank,
     return w.error();
   I.ucx = std::move(*w);
   I.keep_spare = keep_spare_worker;
+  // At start-up, 19 nice levels down: it takes only CPU time the process
+  // and its neighbours leave (a restarted rank's maker had put 8-10 ms of
+  // CPU beside its catch-up and the survivors' step).
   if (keep_spare_worker)
-    I.make_spare_ahead(std::chrono::milliseconds(0));
+    I.make_spare_ahead(std::chrono::milliseconds(0), 19);
   return ctx;
 }
 
