@@ -576,8 +576,9 @@ struct job {
 using bw_table = std::map<std::pair<size_t, size_t>, double>;
 
 /// `env`: what the nodes get besides the job's own variables.
-std::string run_bw(uint32_t ranks, const std::vector<size_t>& chunks, size_t small_max, int64_t spin,
-                   bool phases, bool verbose, const std::vector<std::pair<std::string, std::string>>& env,
+std::string run_bw(uint32_t ranks, const std::vector<size_t>& chunks, size_t small_max,
+                   int64_t spin, bool phases, bool verbose,
+                   const std::vector<std::pair<std::string, std::string>>& env,
                    bw_table& out, std::string& phase_line) {
   std::string list;
   for (auto c : chunks)

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdint>
 
 using cmesh::page_array;
 
@@ -52,4 +53,18 @@ TEST_CASE("page arrays move") {
   page_array empty(0);
   CHECK(empty.size() == 0);
   cmesh::discard_pages(empty.data(), empty.size());
+}
+
+TEST_CASE("huge page arrays sit on a 2 MiB boundary, start zero and hold their values") {
+  for (size_t n : {size_t{1}, size_t{170000}, (size_t{2} << 20) / sizeof(float), size_t{1} << 22}) {
+    CAPTURE(n);
+    page_array a(n, page_array::pages::huge);
+    REQUIRE(a.size() == n);
+    CHECK(reinterpret_cast<uintptr_t>(a.data()) % (uintptr_t{2} << 20) == 0);
+    CHECK(std::all_of(a.begin(), a.end(), [](float x) { return x == 0; }));
+    std::fill(a.begin(), a.end(), 3.0f);
+    page_array b(std::move(a));
+    CHECK(b[0] == 3.0f);
+    CHECK(b[n - 1] == 3.0f);
+  }
 }
