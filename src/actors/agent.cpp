@@ -20,8 +20,6 @@
 #include <cstring>
 #include <cerrno>
 #include <unistd.h>
-#include <sys/syscall.h>
-#include <sys/resource.h>
 
 namespace cmesh::actors {
 
@@ -390,11 +388,6 @@ void agent::impl::on_control(const control_message& m) {
   }
   cv.notify_all();
 }
-
-namespace {
-
-/// Lowers the calling thread's priority by `nice` (Linux: per thread).
-} // namespace
 
 void agent::impl::serve(session_ptr s) {
   if (!lower_thread_priority(o.catchup_nice))
