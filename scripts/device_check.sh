@@ -17,6 +17,10 @@
 # CMESH_DEVICE_CHECK_FULL_BUILD=1 builds every target (slower), NCCL_DEBUG=INFO
 # makes NCCL verbose in the multi-process test, CMESH_SEED replays a seed,
 # JOBS overrides -j16.
+# CMESH_DEVICE_PREBUILT=ARCHIVE (made by scripts/device_pack.sh on a machine
+# with the build's packages) skips configure and build: the archive is
+# unpacked and its binaries run against this machine's CUDA runtime and NCCL,
+# found in /usr/local/cuda or, failing that, in Python's nvidia-* packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,7 +75,67 @@ environment() {
 export -f environment
 step environment 30 bash -c environment
 
-if step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
+# The checks themselves, on binaries in $BINS (CMESH_BIN_DIR for the tests
+# that spawn workers).
+checks() {
+  export CMESH_BIN_DIR=$BINS UCX_WARN_UNUSED_ENV_VARS=n
+  # One process, one GPU: the kernels and the NCCL wrapper.
+  step unit_tests 90 bash -c '"$1/test_kernels" && "$1/test_collectives_nccl"' _ "$BINS"
+  # Several processes sharing the GPU.
+  step mp_nccl 300 "$BINS/test_mp_nccl"
+  # The model on the GPU against the CPU model, then a short training run
+  # with --device cuda beside the same run on the CPU.
+  step model_gpu 60 "$BINS/test_model" -tc='*GPU*,*device code path*'
+  step train_cuda1 90 "$BINS/cmesh" launch -n 1 --device cuda --steps 60 --log-every 20
+  step train_cuda 90 "$BINS/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20
+  step train_cpu 90 "$BINS/cmesh" launch -n 2 --steps 60 --log-every 20
+}
+
+# Where this machine keeps a library: CUDA's directory, the loader's cache,
+# then Python's nvidia-* packages (PyTorch's wheels bring NCCL and cuBLAS).
+find_lib() {
+  local d
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
+    [ -e "$d/$1" ] && { echo "$d"; return 0; }
+  done
+  d=$(ldconfig -p 2>/dev/null | awk -v n="$1" '$1 == n {print $NF; exit}')
+  [ -n "$d" ] && { dirname "$d"; return 0; }
+  d=$(find /opt /usr /root -name "$1" -path '*nvidia*' 2>/dev/null | head -1)
+  [ -n "$d" ] && { dirname "$d"; return 0; }
+  return 1
+}
+
+if [ -n "${CMESH_DEVICE_PREBUILT:-}" ]; then
+  PACK=$(mktemp -d)
+  if step unpack 60 tar -C "$PACK" -xJf "$CMESH_DEVICE_PREBUILT"; then
+    BINS=$PACK/cmesh-gpu/bin
+    log "prebuilt binaries of commit $(cat "$PACK/cmesh-gpu/COMMIT")"
+    libpath=$PACK/cmesh-gpu/lib
+    for l in libcudart.so.13 libnccl.so.2 libcublas.so.13 libcublasLt.so.13; do
+      if d=$(find_lib "$l"); then
+        log "$l from $d"
+        case ":$libpath:" in *":$d:"*) ;; *) libpath=$libpath:$d ;; esac
+      else
+        log "$l: not found on this machine"
+        failed=1
+      fi
+    done
+    # The C++ runtime travels too, used only where this machine's is older.
+    sys_cxx=$(ldconfig -p 2>/dev/null | awk '$1 == "libstdc++.so.6" {print $NF; exit}')
+    if [ -z "$sys_cxx" ] || ! grep -q GLIBCXX_3.4.30 "$sys_cxx"; then
+      log "libstdc++: this machine's (${sys_cxx:-none}) is older than the build's; using the packed one"
+      libpath=$PACK/cmesh-gpu/cxx:$libpath
+    fi
+    export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export UCX_MODULE_DIR=$PACK/cmesh-gpu/ucx
+    step libraries 30 bash -c 'for b in "$1"/*; do echo "== $b"; ldd "$b"; done' _ "$BINS"
+    if grep -q "not found" "$OUT/libraries.log"; then
+      log "libraries: some are missing (libraries.log)"
+      failed=1
+    fi
+    checks
+  fi
+elif step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
   if ! grep -q 'CMESH_WITH_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt" \
      || ! grep -q 'cmesh: CUDA kernels ON, NCCL backend ON' "$OUT/configure.log"; then
     log "configure: CUDA or NCCL not found; the GPU checks cannot run"
@@ -83,21 +147,15 @@ if step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
     step build 270 cmake --build "$BUILD" -j"$JOBS" --target \
       test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl test_model cmesh
   fi
-  build_rc=$?
-
-  if [ "$build_rc" -eq 0 ]; then
-    # One process, one GPU: the kernels and the NCCL wrapper.
-    step unit_tests 90 ctest --test-dir "$BUILD" -R '^(kernels|collectives_nccl)$' \
-      --output-on-failure -V
-    # Several processes sharing the GPU.
-    step mp_nccl 300 ctest --test-dir "$BUILD" -R '^mp_nccl$' --output-on-failure -V
-    # The model on the GPU against the CPU model, then a short training run
-    # with --device cuda beside the same run on the CPU.
-    step model_gpu 60 "$BUILD/src/test_model" -tc='*GPU*,*device code path*'
-    step train_cuda 90 "$BUILD/bin/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20
-    step train_cpu 90 "$BUILD/bin/cmesh" launch -n 2 --steps 60 --log-every 20
+  if [ $? -eq 0 ]; then
+    mkdir -p "$BUILD/gpu-bin"
+    for b in src/kernels/test_kernels src/test_collectives_nccl src/test_mp_nccl src/test_model \
+             bin/cmesh bin/cmesh_test_nccl; do
+      ln -sf "$(pwd)/$BUILD/$b" "$BUILD/gpu-bin/"
+    done
+    BINS=$(pwd)/$BUILD/gpu-bin
+    checks
   fi
-  cp -f "$BUILD/Testing/Temporary/LastTest.log" "$OUT/ctest-LastTest.log" 2>/dev/null || true
 fi
 
 # A GPU machine must not skip: that would mean the device was not seen.
@@ -111,14 +169,14 @@ fi
 
 {
   echo "---- results"
-  grep -hE "^(\s*[0-9]+/[0-9]+ Test|[0-9]+% tests passed|The following tests FAILED)" \
-    "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null
   grep -hE "test cases:|assertions:" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null
   echo "---- measurements"
   grep -hE "MESSAGE: (accelerators|aborted after|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed|GPU against)" \
     "$OUT"/unit_tests.log "$OUT"/mp_nccl.log "$OUT"/model_gpu.log 2>/dev/null | sed 's/^.*MESSAGE: //'
-  echo "---- training, --device cuda then cpu (2 ranks)"
-  grep -hE "^step|summary" "$OUT"/train_cuda.log "$OUT"/train_cpu.log 2>/dev/null
+  for t in train_cuda1 train_cuda train_cpu; do
+    echo "---- $t"
+    grep -hE "^step|summary" "$OUT/$t.log" 2>/dev/null
+  done
   echo "---- failures"
   grep -hE "ERROR:|FATAL|fatal|FAIL" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null | head -40
 } >>"$OUT/summary.txt"
