@@ -75,20 +75,60 @@ environment() {
 export -f environment
 step environment 30 bash -c environment
 
+# A model large enough for the GPU's rate to show (the default one trains in
+# seconds on two CPU cores): tokens/s on the GPU beside this machine's CPUs.
+cat >"$OUT/big.toml" <<'TOML'
+[model]
+d_model = 256
+context = 8
+layers = 4
+ffn = 1024
+experts = 8
+top_k = 2
+expert_ffn = 512
+[train]
+global_batch = 64
+micro_batch = 16
+seq_len = 128
+log_every = 5
+TOML
+
 # The checks themselves, on binaries in $BINS (CMESH_BIN_DIR for the tests
 # that spawn workers).
 checks() {
   export CMESH_BIN_DIR=$BINS UCX_WARN_UNUSED_ENV_VARS=n
   # One process, one GPU: the kernels and the NCCL wrapper.
-  step unit_tests 90 bash -c '"$1/test_kernels" && "$1/test_collectives_nccl"' _ "$BINS"
-  # Several processes sharing the GPU.
-  step mp_nccl 300 "$BINS/test_mp_nccl"
-  # The model on the GPU against the CPU model, then a short training run
-  # with --device cuda beside the same run on the CPU.
+  step kernels 90 "$BINS/test_kernels"
+  step collectives_nccl 90 "$BINS/test_collectives_nccl"
+  # Several processes sharing the GPU, with the NCCL found first and, where
+  # this machine has another that differs in ncclCommRevoke, with that one.
+  step mp_nccl 150 "$BINS/test_mp_nccl"
+  if [ -n "${ALT_NCCL_DIR:-}" ]; then
+    step mp_nccl_alt 120 env LD_LIBRARY_PATH="$ALT_NCCL_DIR:$LD_LIBRARY_PATH" "$BINS/test_mp_nccl"
+  fi
+  # The model on the GPU against the CPU model, then short training runs
+  # with --device cuda beside the same runs on the CPU.
   step model_gpu 60 "$BINS/test_model" -tc='*GPU*,*device code path*'
   step train_cuda1 90 "$BINS/cmesh" launch -n 1 --device cuda --steps 60 --log-every 20
   step train_cuda 90 "$BINS/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20
   step train_cpu 90 "$BINS/cmesh" launch -n 2 --steps 60 --log-every 20
+  step train_cuda_big 90 "$BINS/cmesh" launch -n 1 --device cuda --config "$OUT/big.toml" --steps 30
+  step train_cpu_big 90 "$BINS/cmesh" launch -n 1 --config "$OUT/big.toml" --steps 5
+}
+
+# Every NCCL library on this machine: path, version, and whether it has
+# ncclCommRevoke and ncclCommShrink (the backend looks both up at run time).
+nccl_candidates() {
+  { ls /usr/local/cuda/lib64/libnccl.so.2 /usr/local/cuda/lib/libnccl.so.2 \
+       /usr/lib/x86_64-linux-gnu/libnccl.so.2 2>/dev/null
+    find /opt /usr/lib /usr/local /root -name libnccl.so.2 -path '*nvidia*' 2>/dev/null
+  } | xargs -r readlink -f | sort -u | while read -r l; do
+    python3 -c 'import ctypes, sys
+l = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int(); l.ncclGetVersion(ctypes.byref(v))
+print(sys.argv[1], v.value, "revoke" if hasattr(l, "ncclCommRevoke") else "no-revoke",
+      "shrink" if hasattr(l, "ncclCommShrink") else "no-shrink")' "$l" 2>/dev/null \
+      || echo "$l unreadable"
+  done
 }
 
 # Where this machine keeps a library: CUDA's directory, the loader's cache,
@@ -128,6 +168,19 @@ if [ -n "${CMESH_DEVICE_PREBUILT:-}" ]; then
     fi
     export LD_LIBRARY_PATH=$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export UCX_MODULE_DIR=$PACK/cmesh-gpu/ucx
+    nccl_candidates >"$OUT/nccl_libraries.txt"
+    log "NCCL libraries here (path, version, revoke, shrink):"
+    tee -a "$OUT/summary.txt" <"$OUT/nccl_libraries.txt"
+    if nccl_dir=$(find_lib libnccl.so.2); then
+      first=$(readlink -f "$nccl_dir/libnccl.so.2")
+      first_kind=$(awk -v p="$first" '$1 == p {print $3}' "$OUT/nccl_libraries.txt")
+      alt=$(awk -v p="$first" -v k="$first_kind" '$1 != p && $3 != k && $3 != "" {print $1; exit}' \
+        "$OUT/nccl_libraries.txt")
+      if [ -n "$alt" ]; then
+        ALT_NCCL_DIR=$(dirname "$alt")
+        log "mp_nccl runs with $first ($first_kind), then again with $alt"
+      fi
+    fi
     step libraries 30 bash -c 'for b in "$1"/*; do echo "== $b"; ldd "$b"; done' _ "$BINS"
     if grep -q "not found" "$OUT/libraries.log"; then
       log "libraries: some are missing (libraries.log)"
@@ -159,26 +212,29 @@ elif step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
 fi
 
 # A GPU machine must not skip: that would mean the device was not seen.
-if grep -h "skipped: no CUDA device\|skipped: invalid_argument" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log \
-   "$OUT"/model_gpu.log >/dev/null 2>&1; then
+gpu_logs=("$OUT"/kernels.log "$OUT"/collectives_nccl.log "$OUT"/mp_nccl.log "$OUT"/mp_nccl_alt.log
+          "$OUT"/model_gpu.log)
+if grep -h "skipped: no CUDA device\|skipped: invalid_argument" "${gpu_logs[@]}" >/dev/null 2>&1; then
   log "FAIL: tests skipped for lack of a CUDA device:"
-  grep -h -m3 "skipped: no CUDA device" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log \
-    | tee -a "$OUT/summary.txt"
+  grep -h -m3 "skipped: no CUDA device" "${gpu_logs[@]}" 2>/dev/null | tee -a "$OUT/summary.txt"
   failed=1
 fi
 
 {
   echo "---- results"
-  grep -hE "test cases:|assertions:" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null
+  for l in "${gpu_logs[@]}"; do
+    [ -e "$l" ] && echo "$(basename "$l" .log): $(grep -hE "test cases:" "$l")"
+  done
   echo "---- measurements"
   grep -hE "MESSAGE: (accelerators|aborted after|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed|GPU against)" \
-    "$OUT"/unit_tests.log "$OUT"/mp_nccl.log "$OUT"/model_gpu.log 2>/dev/null | sed 's/^.*MESSAGE: //'
-  for t in train_cuda1 train_cuda train_cpu; do
+    "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*MESSAGE: //' | grep -v "^seed"
+  grep -h "the loaded NCCL" "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*\] //' | sort -u
+  for t in train_cuda1 train_cuda train_cpu train_cuda_big train_cpu_big; do
     echo "---- $t"
     grep -hE "^step|summary" "$OUT/$t.log" 2>/dev/null
   done
   echo "---- failures"
-  grep -hE "ERROR:|FATAL|fatal|FAIL" "$OUT"/unit_tests.log "$OUT"/mp_nccl.log 2>/dev/null | head -40
+  grep -hE "ERROR:|FATAL|fatal|FAIL|symbol lookup|rebuilt \(ok" "${gpu_logs[@]}" 2>/dev/null | head -40
 } >>"$OUT/summary.txt"
 
 if [ "$failed" -eq 0 ]; then

@@ -4,6 +4,7 @@
 #include "transport/bootstrap.hpp"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <fmt/format.h>
@@ -17,7 +18,11 @@
 #include <thread>
 
 // ncclCommShrink came with NCCL 2.27, ncclCommRevoke with 2.28.7; their flag
-// macros say whether this nccl.h has them.
+// macros say whether this nccl.h has them. The library loaded at run time may
+// be older than the header (a 2.28.3 beside a 2.28.9 build), so both are
+// looked up when first needed rather than linked: a missing one means the
+// abort path (no revoke) or a full re-init (no shrink), never a process
+// killed by the loader.
 #ifdef NCCL_SHRINK_DEFAULT
 #define CMESH_NCCL_HAS_SHRINK 1
 #else
@@ -56,6 +61,53 @@ caf::error cuda_error(cudaError_t e, std::string_view what) {
 
 bool nccl_ok(ncclResult_t r) {
   return r == ncclSuccess || r == ncclInProgress;
+}
+
+// -- entry points newer than some NCCL libraries --------------------------------------
+
+/// `name` in the NCCL library this process loaded, or null (said once).
+void* nccl_entry(const char* name) {
+  void* f = ::dlsym(RTLD_DEFAULT, name);
+  if (f == nullptr) {
+    int v = 0;
+    (void)ncclGetVersion(&v);
+    spdlog::info("nccl: the loaded NCCL ({}) has no {}", v, name);
+  }
+  return f;
+}
+
+#if CMESH_NCCL_HAS_REVOKE
+using revoke_fn = ncclResult_t (*)(ncclComm_t, int);
+revoke_fn nccl_revoke() {
+  static const auto f = reinterpret_cast<revoke_fn>(nccl_entry("ncclCommRevoke"));
+  return f;
+}
+#endif
+
+#if CMESH_NCCL_HAS_SHRINK
+using shrink_fn = ncclResult_t (*)(ncclComm_t, int*, int, ncclComm_t*, ncclConfig_t*, int);
+shrink_fn nccl_shrink() {
+  static const auto f = reinterpret_cast<shrink_fn>(nccl_entry("ncclCommShrink"));
+  return f;
+}
+#endif
+
+/// Whether this process can revoke (header and library both have it).
+bool can_revoke() {
+#if CMESH_NCCL_HAS_REVOKE
+  return nccl_revoke() != nullptr;
+#else
+  return false;
+#endif
+}
+
+/// Whether this process can shrink (header and library both have it).
+bool can_shrink_comms() {
+#if CMESH_NCCL_HAS_SHRINK
+  return nccl_shrink() != nullptr;
+#else
+  return false;
+#endif
 }
 
 } // namespace
@@ -400,7 +452,7 @@ public:
     if (comm_ == nullptr)
       return false;
 #if CMESH_NCCL_HAS_REVOKE
-    if (!revoked_)
+    if (!revoked_ && can_revoke())
       revoke_locked();
     if (comm_ == nullptr)
       return false;
@@ -435,8 +487,8 @@ public:
     // After a completed revoke nothing is in flight; otherwise let NCCL stop it.
     const int flags = revoked_ ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT;
     ncclComm_t made = nullptr; // written by NCCL's job once the shrink is done
-    const ncclResult_t r = ncclCommShrink(comm_, exclude.data(), static_cast<int>(exclude.size()),
-                                          &made, &cfg, flags);
+    const ncclResult_t r = nccl_shrink()(comm_, exclude.data(),
+                                         static_cast<int>(exclude.size()), &made, &cfg, flags);
     caf::error e;
     if (!nccl_ok(r)) {
       e = nccl_error(r, "ncclCommShrink");
@@ -627,7 +679,7 @@ private:
       std::lock_guard<std::mutex> g(handle_mtx_);
       if (comm_ != nullptr && !revoked_) {
 #if CMESH_NCCL_HAS_REVOKE
-        if (opts_.revoke_on_failure)
+        if (opts_.revoke_on_failure && can_revoke())
           revoke_locked();
         else
           abort_locked();
@@ -647,7 +699,7 @@ private:
   /// ncclCommRevoke and a bounded wait for it to finish; ncclCommAbort when
   /// it fails or takes longer than revoke_timeout. Under handle_mtx_.
   void revoke_locked() {
-    const ncclResult_t r = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+    const ncclResult_t r = nccl_revoke()(comm_, NCCL_REVOKE_DEFAULT);
     if (nccl_ok(r)) {
       const int64_t until = mono_ns() + ns_of(opts_.revoke_timeout);
       ncclResult_t st = ncclInProgress;
@@ -880,7 +932,7 @@ expected<std::unique_ptr<communicator>> shrink(communicator& old_comm,
   old->poison(make_error(errc::poisoned,
                          "replaced by the communicator of epoch " + std::to_string(new_epoch)));
 
-  bool can_shrink = CMESH_NCCL_HAS_SHRINK && !exclude.empty() && old->quiesce_for_shrink();
+  bool can_shrink = can_shrink_comms() && !exclude.empty() && old->quiesce_for_shrink();
   if (coordinator != nullptr) {
     // Every survivor must be able to shrink, or all re-initialise.
     const std::string ns = "epoch/" + std::to_string(new_epoch) + "/nccl/shrinkable/";

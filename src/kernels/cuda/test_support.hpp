@@ -126,17 +126,23 @@ inline std::uint32_t bits(float f) {
   return u;
 }
 
-/// Elements that differ (bit for bit for floats: NaN equals only the same
-/// NaN); MESSAGEs the first one. Use inside CHECK(... == 0).
+/// How count_different compares NaNs: `exact` when the kernel only moves
+/// bits (a NaN keeps its payload and sign), `any` after arithmetic, where the
+/// GPU returns its canonical NaN and the CPU propagates the operand's.
+enum class nan_bits { exact, any };
+
+/// Elements that differ (bit for bit for floats; NaNs as `nans` says);
+/// MESSAGEs the first one. Use inside CHECK(... == 0).
 template <class T>
 std::size_t count_different(const std::vector<T>& got, const std::vector<T>& want,
-                            const char* what) {
+                            const char* what, nan_bits nans = nan_bits::exact) {
   REQUIRE(got.size() == want.size());
   std::size_t bad = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
     bool same;
     if constexpr (std::is_same_v<T, float>)
-      same = bits(got[i]) == bits(want[i]);
+      same = bits(got[i]) == bits(want[i])
+          || (nans == nan_bits::any && std::isnan(got[i]) && std::isnan(want[i]));
     else
       same = got[i] == want[i];
     if (!same) {
