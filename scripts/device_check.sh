@@ -113,7 +113,7 @@ checks() {
   step train_cuda 90 "$BINS/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20
   step train_cpu 90 "$BINS/cmesh" launch -n 2 --steps 60 --log-every 20
   step train_cuda_big 90 "$BINS/cmesh" launch -n 1 --device cuda --config "$OUT/big.toml" --steps 30
-  step train_cpu_big 90 "$BINS/cmesh" launch -n 1 --config "$OUT/big.toml" --steps 5
+  step train_cpu_big 90 "$BINS/cmesh" launch -n 1 --config "$OUT/big.toml" --steps 3
 }
 
 # Every NCCL library on this machine: path, version, and whether it has
@@ -226,7 +226,7 @@ fi
     [ -e "$l" ] && echo "$(basename "$l" .log): $(grep -hE "test cases:" "$l")"
   done
   echo "---- measurements"
-  grep -hE "MESSAGE: (accelerators|aborted after|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed|GPU against)" \
+  grep -hE "MESSAGE: (accelerators|aborted \(|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed|GPU against)" \
     "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*MESSAGE: //' | grep -v "^seed"
   grep -h "the loaded NCCL" "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*\] //' | sort -u
   for t in train_cuda1 train_cuda train_cpu train_cuda_big train_cpu_big; do

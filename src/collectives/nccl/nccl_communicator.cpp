@@ -12,7 +12,10 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <thread>
@@ -62,6 +65,79 @@ caf::error cuda_error(cudaError_t e, std::string_view what) {
 bool nccl_ok(ncclResult_t r) {
   return r == ncclSuccess || r == ncclInProgress;
 }
+
+// -- ncclCommAbort off the failing thread ------------------------------------------------
+
+/// ncclCommAbort raises the communicator's abort flag first (its kernels
+/// quit within microseconds), then tears down its proxy threads and
+/// connections, which takes NCCL about half a second (its proxy polls that
+/// often). A failed operation only needs the first part before returning,
+/// so the teardown runs here, on one thread for the process. The thread and
+/// its queue are never destroyed; an exit handler waits (bounded) for the
+/// queued aborts, before the CUDA runtime's own handlers run.
+class abort_reaper {
+public:
+  static abort_reaper& instance() {
+    static auto* r = new abort_reaper(); // intentionally never destroyed
+    return *r;
+  }
+
+  /// Queues `comm` for ncclCommAbort; false when the queue is full (the
+  /// caller then aborts it itself).
+  bool post(ncclComm_t comm, uint64_t epoch, int device) {
+    {
+      std::lock_guard<std::mutex> g(mtx_);
+      if (queue_.size() >= capacity)
+        return false;
+      queue_.push_back({comm, epoch, device});
+      ++pending_;
+    }
+    cv_.notify_all();
+    return true;
+  }
+
+  /// Waits until no abort is queued or running, at most `timeout`.
+  bool drain(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lk(mtx_);
+    return done_cv_.wait_for(lk, timeout, [this] { return pending_ == 0; });
+  }
+
+private:
+  struct job {
+    ncclComm_t comm;
+    uint64_t epoch;
+    int device;
+  };
+  static constexpr size_t capacity = 64;
+
+  abort_reaper() {
+    std::thread([this] { run(); }).detach();
+    std::atexit([] { (void)abort_reaper::instance().drain(std::chrono::milliseconds(5000)); });
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lk(mtx_);
+    for (;;) {
+      cv_.wait(lk, [this] { return !queue_.empty(); });
+      job j = queue_.front();
+      queue_.pop_front();
+      lk.unlock();
+      (void)cudaSetDevice(j.device);
+      if (auto r = ncclCommAbort(j.comm); r != ncclSuccess)
+        spdlog::warn("nccl: ncclCommAbort of epoch {}: {}", j.epoch, ncclGetErrorString(r));
+      (void)cudaGetLastError();
+      lk.lock();
+      if (--pending_ == 0)
+        done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mtx_;
+  std::condition_variable cv_;
+  std::condition_variable done_cv_;
+  std::deque<job> queue_;
+  size_t pending_ = 0; // queued or running
+};
 
 // -- entry points newer than some NCCL libraries --------------------------------------
 
@@ -510,7 +586,7 @@ public:
     }
     if (e) {
       // Aborting the parent also stops a shrink still running (and waits for it).
-      abort_locked();
+      abort_locked(true);
       if (made != nullptr)
         (void)ncclCommAbort(made);
       return e;
@@ -726,9 +802,18 @@ private:
   }
 #endif
 
-  void abort_locked() {
+  /// Aborts the NCCL communicator: its teardown on the reaper's thread when
+  /// opts_.abort_in_background and not `wait` (the flag that stops its
+  /// kernels is raised there within microseconds; fail() waits for the
+  /// stream), else here. Under handle_mtx_.
+  void abort_locked(bool wait = false) {
     if (comm_ == nullptr)
       return;
+    if (!wait && opts_.abort_in_background
+        && abort_reaper::instance().post(comm_, m_.epoch, device_)) {
+      comm_ = nullptr;
+      return;
+    }
     if (auto r = ncclCommAbort(comm_); r != ncclSuccess)
       spdlog::warn("nccl: ncclCommAbort of epoch {}: {}", m_.epoch, ncclGetErrorString(r));
     comm_ = nullptr;
@@ -980,6 +1065,10 @@ expected<std::unique_ptr<communicator>> shrink(communicator& old_comm,
     return made.error();
   as_nccl(made->get())->set_origin(nccl_info::origin::reinit, mono_ns() - t0);
   return made;
+}
+
+bool drain_background_aborts(std::chrono::milliseconds timeout) {
+  return abort_reaper::instance().drain(timeout);
 }
 
 caf::error abort_all(std::span<communicator* const> comms) {

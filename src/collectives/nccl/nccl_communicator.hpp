@@ -97,6 +97,10 @@ struct nccl_options {
   /// On a failure, revoke (keeps the communicator shrinkable) rather than
   /// abort at once. Without ncclCommRevoke in the library, always abort.
   bool revoke_on_failure = true;
+  /// A failed or aborted operation returns once its kernels have stopped;
+  /// ncclCommAbort's teardown (about 0.5 s of NCCL's proxy threads) goes on
+  /// in the background (drain_background_aborts). False: it returns after.
+  bool abort_in_background = true;
   /// Tests: reduce_scatter and all_gather always take the per-block path
   /// (grouped ncclReduce / ncclBroadcast) that uneven counts take.
   bool force_block_path = false;
@@ -148,6 +152,11 @@ expected<std::unique_ptr<communicator>> shrink(communicator& old,
 /// communicator gets abort(). Every one ends poisoned with errc::aborted.
 /// Safe while operations run on other threads: they return errc::aborted.
 caf::error abort_all(std::span<communicator* const> comms);
+
+/// Waits until the ncclCommAbort teardowns started in the background
+/// (nccl_options::abort_in_background) have finished, at most `timeout`;
+/// false when some still run. The process also waits for them at exit.
+bool drain_background_aborts(std::chrono::milliseconds timeout);
 
 /// How an NCCL communicator came to be, and its NCCL resources, for
 /// diagnostics, benchmarks and interop. Never call NCCL on `comm` while one
