@@ -104,6 +104,8 @@ checks() {
   # this machine has another that differs in ncclCommRevoke, with that one.
   step mp_nccl 150 "$BINS/test_mp_nccl"
   if [ -n "${ALT_NCCL_DIR:-}" ]; then
+    step collectives_nccl_alt 90 env LD_LIBRARY_PATH="$ALT_NCCL_DIR:$LD_LIBRARY_PATH" \
+      "$BINS/test_collectives_nccl"
     step mp_nccl_alt 120 env LD_LIBRARY_PATH="$ALT_NCCL_DIR:$LD_LIBRARY_PATH" "$BINS/test_mp_nccl"
   fi
   # The model on the GPU against the CPU model, then short training runs
@@ -212,7 +214,8 @@ elif step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
 fi
 
 # A GPU machine must not skip: that would mean the device was not seen.
-gpu_logs=("$OUT"/kernels.log "$OUT"/collectives_nccl.log "$OUT"/mp_nccl.log "$OUT"/mp_nccl_alt.log
+gpu_logs=("$OUT"/kernels.log "$OUT"/collectives_nccl.log "$OUT"/mp_nccl.log
+          "$OUT"/collectives_nccl_alt.log "$OUT"/mp_nccl_alt.log
           "$OUT"/model_gpu.log)
 if grep -h "skipped: no CUDA device\|skipped: invalid_argument" "${gpu_logs[@]}" >/dev/null 2>&1; then
   log "FAIL: tests skipped for lack of a CUDA device:"
