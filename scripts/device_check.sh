@@ -16,7 +16,9 @@
 # than 20 s left is skipped (and counts as a failure).
 # CMESH_DEVICE_CHECK_FULL_BUILD=1 builds every target (slower), NCCL_DEBUG=INFO
 # makes NCCL verbose in the multi-process test, CMESH_SEED replays a seed,
-# JOBS overrides -j16.
+# JOBS overrides -j16. CMESH_DEVICE_CHECK_STEPS="mp_nccl mp_nccl_alt ..." runs only
+# those checks (set-up steps always run); CMESH_DEVICE_CHECK_TC is a doctest
+# test-case filter for the NCCL tests.
 # CMESH_DEVICE_PREBUILT=ARCHIVE (made by scripts/device_pack.sh on a machine
 # with the build's packages) skips configure and build: the archive is
 # unpacked and its binaries run against this machine's CUDA runtime and NCCL,
@@ -40,6 +42,9 @@ log() { echo "[device_check $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; 
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${CMESH_DEVICE_CHECK_STEPS:-}" ] && [[ " environment configure build unpack libraries $CMESH_DEVICE_CHECK_STEPS " != *" $name "* ]]; then
+    return 0
+  fi
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 20 ]; then
     log "skip $name: the time budget is spent"
@@ -99,14 +104,16 @@ checks() {
   export CMESH_BIN_DIR=$BINS UCX_WARN_UNUSED_ENV_VARS=n
   # One process, one GPU: the kernels and the NCCL wrapper.
   step kernels 90 "$BINS/test_kernels"
-  step collectives_nccl 90 "$BINS/test_collectives_nccl"
+  local tc=()
+  [ -n "${CMESH_DEVICE_CHECK_TC:-}" ] && tc=("-tc=$CMESH_DEVICE_CHECK_TC")
+  step collectives_nccl 90 "$BINS/test_collectives_nccl" "${tc[@]}"
   # Several processes sharing the GPU, with the NCCL found first and, where
   # this machine has another that differs in ncclCommRevoke, with that one.
-  step mp_nccl 150 "$BINS/test_mp_nccl"
+  step mp_nccl 150 "$BINS/test_mp_nccl" "${tc[@]}"
   if [ -n "${ALT_NCCL_DIR:-}" ]; then
     step collectives_nccl_alt 90 env LD_LIBRARY_PATH="$ALT_NCCL_DIR:$LD_LIBRARY_PATH" \
-      "$BINS/test_collectives_nccl"
-    step mp_nccl_alt 120 env LD_LIBRARY_PATH="$ALT_NCCL_DIR:$LD_LIBRARY_PATH" "$BINS/test_mp_nccl"
+      "$BINS/test_collectives_nccl" "${tc[@]}"
+    step mp_nccl_alt 120 env LD_LIBRARY_PATH="$ALT_NCCL_DIR:$LD_LIBRARY_PATH" "$BINS/test_mp_nccl" "${tc[@]}"
   fi
   # The model on the GPU against the CPU model, then short training runs
   # with --device cuda beside the same runs on the CPU.

@@ -170,7 +170,7 @@ TEST_CASE("nccl: abort from another thread returns aborted promptly and poisons"
     const int64_t t_ret = mono_ns();
     aborter.join();
     const int64_t ms = (t_ret - t_abort.load()) / 1000000;
-    MESSAGE("aborted (" << v.name << ") after " << iters << " all_reduces; returned " << ms
+    MESSAGE("aborted (" << std::string(v.name) << ") after " << iters << " all_reduces; returned " << ms
                         << " ms after abort()");
     CHECK(code_of(e) == errc::aborted);
     CHECK(ms < v.bound_ms);
@@ -184,7 +184,7 @@ TEST_CASE("nccl: abort from another thread returns aborted promptly and poisons"
     // The teardown left behind finishes.
     const int64_t t_drain = mono_ns();
     CHECK(drain_background_aborts(20s));
-    MESSAGE("aborted (" << v.name << "): background teardown done " << (mono_ns() - t_drain) / 1000000
+    MESSAGE("aborted (" << std::string(v.name) << "): background teardown done " << (mono_ns() - t_drain) / 1000000
                         << " ms later");
   }
 }

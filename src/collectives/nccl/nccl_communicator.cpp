@@ -755,7 +755,13 @@ private:
       std::lock_guard<std::mutex> g(handle_mtx_);
       if (comm_ != nullptr && !revoked_) {
 #if CMESH_NCCL_HAS_REVOKE
-        if (opts_.revoke_on_failure && can_revoke())
+        // A communicator that already reports an error (a broken
+        // connection) cannot be shrunk (quiesce_for_shrink): a revoke would
+        // only cost its half second. Abort it at once.
+        ncclResult_t st = ncclInProgress;
+        const bool broken = ncclCommGetAsyncError(comm_, &st) != ncclSuccess
+                         || (st != ncclSuccess && st != ncclInProgress);
+        if (opts_.revoke_on_failure && can_revoke() && !broken)
           revoke_locked();
         else
           abort_locked();
