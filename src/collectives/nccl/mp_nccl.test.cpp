@@ -103,6 +103,47 @@ TEST_CASE("nccl mp: SIGKILL during 64 MiB all_reduces: peer_lost naming the rank
   }
 }
 
+TEST_CASE("nccl mp: SIGSTOP during 64 MiB all_reduces: the survivors revoke and shrink") {
+  SKIP_WITHOUT_DEVICE();
+  const uint32_t n = 3, victim = 2;
+  node_harness h(n, nccl_env());
+  h.spawn_all("cmesh_test_nccl", {"kill", std::to_string(victim)});
+  for (uint32_t r = 0; r < n; ++r) {
+    auto rep = h.report(r, "looping", 120s);
+    no_fatal(h);
+    REQUIRE(rep);
+  }
+  auto revoke = h.report(0, "revoke", 10s);
+  REQUIRE(revoke);
+  std::this_thread::sleep_for(200ms);
+  const int64_t t_stop = mono_ns();
+  REQUIRE(h.node(victim).signal(SIGSTOP));
+  for (uint32_t r = 0; r < n; ++r) {
+    if (r == victim)
+      continue;
+    CAPTURE(r);
+    auto rep = h.report(r, "error", 60s);
+    no_fatal(h);
+    REQUIRE(rep);
+    auto e = parse_error(*rep);
+    MESSAGE("rank " << r << " (SIGSTOP): " << e.code << " after " << (e.mono_ns - t_stop) / 1000000
+                    << " ms:" << e.text);
+    CHECK(e.text.find("rank " + std::to_string(victim)) != std::string::npos);
+    auto rebuilt = h.report(r, "rebuilt", 120s);
+    REQUIRE(rebuilt);
+    MESSAGE("rank " << r << " rebuilt after SIGSTOP (ok|FAIL, ms, path, size), revoke "
+                    << revoke->value << ": " << rebuilt->value);
+    CHECK(rebuilt->value.rfind("ok ", 0) == 0);
+    // The stopped rank's connections stay open, so NCCL reports no error: a
+    // library with revoke keeps the communicator and shrinks it.
+    if (revoke->value == "yes")
+      CHECK(rebuilt->value.find(" shrink ") != std::string::npos);
+    auto after = h.report(r, "after", 30s);
+    REQUIRE(after);
+    CHECK(after->value == "poisoned");
+  }
+}
+
 TEST_CASE("nccl mp: abort from another thread stops an all_reduce nobody else joined") {
   SKIP_WITHOUT_DEVICE();
   node_harness h(2, nccl_env());

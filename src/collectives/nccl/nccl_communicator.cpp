@@ -1073,6 +1073,10 @@ expected<std::unique_ptr<communicator>> shrink(communicator& old_comm,
   return made;
 }
 
+bool nccl_can_revoke() {
+  return can_revoke();
+}
+
 bool drain_background_aborts(std::chrono::milliseconds timeout) {
   return abort_reaper::instance().drain(timeout);
 }

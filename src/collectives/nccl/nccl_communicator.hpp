@@ -153,6 +153,10 @@ expected<std::unique_ptr<communicator>> shrink(communicator& old,
 /// Safe while operations run on other threads: they return errc::aborted.
 caf::error abort_all(std::span<communicator* const> comms);
 
+/// Whether failures can revoke: this build's nccl.h and the NCCL library
+/// loaded at run time both have ncclCommRevoke (NCCL 2.28.7 and later).
+bool nccl_can_revoke();
+
 /// Waits until the ncclCommAbort teardowns started in the background
 /// (nccl_options::abort_in_background) have finished, at most `timeout`;
 /// false when some still run. The process also waits for them at exit.

@@ -290,9 +290,12 @@ int run_ops(node& nd, uint64_t seed, bool big) {
 
 // -- kill ---------------------------------------------------------------------------------
 
+// The victim is SIGKILLed or SIGSTOPped from outside (mp_nccl.test.cpp); the
+// survivors see the same thing either way: an all_reduce that fails.
 int run_kill(node& nd, uint32_t victim) {
   const size_t count = size_t{16} << 20; // 64 MiB of float32
   auto comm = nd.make_nccl(nd.everyone(1));
+  nd.report("revoke", nccl_can_revoke() ? "yes" : "no");
   dev_buf buf(nd, count * 4);
   cuda_or_die(nd, cudaMemset(buf.p, 0, count * 4), "cudaMemset");
   caf::error err;
