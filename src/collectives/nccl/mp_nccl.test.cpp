@@ -67,7 +67,7 @@ TEST_CASE("nccl mp: every operation and dtype matches the host backend (2, 3, 4 
   }
 }
 
-TEST_CASE("nccl mp: SIGKILL during 64 MiB all_reduces: peer_lost naming the rank, then shrink") {
+TEST_CASE("nccl mp: SIGKILL during 64 MiB all_reduces: peer_lost naming the rank, then rebuild") {
   SKIP_WITHOUT_DEVICE();
   const uint32_t n = 3, victim = 1;
   node_harness h(n, nccl_env());
