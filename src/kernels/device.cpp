@@ -38,8 +38,10 @@ std::string describe(const accelerator_report& r) {
     out = "CUDA: not compiled in";
   }
   if (r.nccl_compiled)
-    out += r.nccl_version > 0 ? fmt::format(", NCCL {}", nccl_version_text(r.nccl_version))
-                              : std::string(", NCCL: unknown version");
+    out += r.nccl_version > 0
+             ? fmt::format(", NCCL {}{}", nccl_version_text(r.nccl_version),
+                           r.nccl_revoke ? "" : " (no ncclCommRevoke)")
+             : std::string(", NCCL: unknown version");
   else
     out += ", NCCL: not compiled in";
   out += fmt::format(", {} device{}", r.devices.size(), r.devices.size() == 1 ? "" : "s");

@@ -22,6 +22,8 @@ struct accelerator_report {
   int cuda_runtime_version = 0; // 1000 * major + 10 * minor (13000 = 13.0); 0 without CUDA
   int cuda_driver_version = 0;  // same encoding; 0 when no driver is installed
   int nccl_version = 0;         // NCCL_VERSION_CODE style (22809 = 2.28.9); 0 without NCCL
+  bool nccl_revoke = false;     // the loaded NCCL has ncclCommRevoke (2.28.7+): a failure keeps
+                                // the communicator shrinkable; without it survivors re-initialise
   std::vector<device_info> devices;
   std::string note; // why there are no devices, or what went wrong; empty when all is well
 };

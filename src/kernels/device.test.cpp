@@ -25,6 +25,8 @@ TEST_CASE("query_accelerators is consistent with the build") {
 #ifdef CMESH_HAVE_NCCL
   CHECK(r.nccl_compiled);
   CHECK(r.nccl_version > 0);
+  // ncclCommRevoke came with 2.28.7: the lookup agrees with the version.
+  CHECK(r.nccl_revoke == (r.nccl_version >= 22807));
 #else
   CHECK_FALSE(r.nccl_compiled);
   CHECK(r.nccl_version == 0);
@@ -60,6 +62,7 @@ TEST_CASE("describe formats a report") {
   r.cuda_runtime_version = 13000;
   r.cuda_driver_version = 0;
   r.nccl_version = 22809;
+  r.nccl_revoke = true;
   r.note = "no CUDA-capable device is detected";
   CHECK(k::describe(r) ==
         "CUDA 13.0 (driver: none), NCCL 2.28.9, 0 devices: no CUDA-capable device is detected");
@@ -70,6 +73,12 @@ TEST_CASE("describe formats a report") {
   r.devices.push_back(k::device_info{1, "NVIDIA H200", size_t{144} << 30, 9, 0});
   CHECK(k::describe(r) == "CUDA 13.0 (driver: 13.1), NCCL 2.28.9, 2 devices: "
                           "[0] NVIDIA H200 (144.0 GiB, sm_90); [1] NVIDIA H200 (144.0 GiB, sm_90)");
+
+  r.nccl_version = 22803;
+  r.nccl_revoke = false;
+  r.devices.resize(1);
+  CHECK(k::describe(r) == "CUDA 13.0 (driver: 13.1), NCCL 2.28.3 (no ncclCommRevoke), 1 device: "
+                          "[0] NVIDIA H200 (144.0 GiB, sm_90)");
 
   k::accelerator_report none;
   none.note = "built without CUDA";

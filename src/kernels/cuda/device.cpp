@@ -3,6 +3,7 @@
 #include "kernels/device.hpp"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <string>
 #ifdef CMESH_HAVE_NCCL
@@ -57,6 +58,8 @@ accelerator_report query_accelerators() {
     r.nccl_version = v;
   else
     add_note(r, std::string("ncclGetVersion: ") + ncclGetErrorString(res));
+  // The library loaded may be older than the header (see nccl_communicator.cpp).
+  r.nccl_revoke = ::dlsym(RTLD_DEFAULT, "ncclCommRevoke") != nullptr;
 #endif
   return r;
 }
