@@ -244,7 +244,7 @@ fi
     grep -hE "^step|summary" "$OUT/$t.log" 2>/dev/null
   done
   echo "---- failures"
-  grep -hE "ERROR:|FATAL|fatal|FAIL|symbol lookup|rebuilt \(ok" "${gpu_logs[@]}" 2>/dev/null | head -40
+  grep -hE "ERROR:|FATAL|fatal|FAIL|symbol lookup|rebuilt .*\(ok" "${gpu_logs[@]}" 2>/dev/null | head -40
 } >>"$OUT/summary.txt"
 
 if [ "$failed" -eq 0 ]; then

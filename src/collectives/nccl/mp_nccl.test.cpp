@@ -67,45 +67,14 @@ TEST_CASE("nccl mp: every operation and dtype matches the host backend (2, 3, 4 
   }
 }
 
-TEST_CASE("nccl mp: SIGKILL during 64 MiB all_reduces: peer_lost naming the rank, then rebuild") {
-  SKIP_WITHOUT_DEVICE();
-  const uint32_t n = 3, victim = 1;
-  node_harness h(n, nccl_env());
-  h.spawn_all("cmesh_test_nccl", {"kill", std::to_string(victim)});
-  for (uint32_t r = 0; r < n; ++r) {
-    auto rep = h.report(r, "looping", 120s);
-    no_fatal(h);
-    REQUIRE(rep);
-  }
-  std::this_thread::sleep_for(200ms);
-  const int64_t t_kill = mono_ns();
-  REQUIRE(h.node(victim).signal(SIGKILL));
-  for (uint32_t r = 0; r < n; ++r) {
-    if (r == victim)
-      continue;
-    CAPTURE(r);
-    auto rep = h.report(r, "error", 60s);
-    no_fatal(h);
-    REQUIRE(rep);
-    auto e = parse_error(*rep);
-    const auto ms = (e.mono_ns - t_kill) / 1000000;
-    MESSAGE("rank " << r << ": " << e.code << " after " << ms << " ms:" << e.text);
-    CHECK(e.code == "peer_lost");
-    CHECK(e.text.find("rank " + std::to_string(victim)) != std::string::npos);
-    CHECK(ms < 5000); // detection is milliseconds; the bound only catches hangs
-    auto rebuilt = h.report(r, "rebuilt", 120s);
-    REQUIRE(rebuilt);
-    MESSAGE("rank " << r << " rebuilt (ok|FAIL, ms, path, size): " << rebuilt->value);
-    CHECK(rebuilt->value.rfind("ok ", 0) == 0);
-    auto after = h.report(r, "after", 30s);
-    REQUIRE(after);
-    CHECK(after->value == "poisoned");
-  }
-}
-
-TEST_CASE("nccl mp: SIGSTOP during 64 MiB all_reduces: the survivors revoke and shrink") {
-  SKIP_WITHOUT_DEVICE();
-  const uint32_t n = 3, victim = 2;
+/// Sends `sig` (named `what`) to the victim among n "kill" workers
+/// (nccl_node.cpp) in the middle of 64 MiB all_reduces. Every survivor must
+/// report an error naming the victim, rebuild without it (an all_reduce on
+/// the new communicator right) and find the old communicator poisoned.
+/// `check(error, ms from the signal, "rebuilt" report, revoke available)`
+/// adds what the signal implies.
+template <class Check>
+void lose_rank(uint32_t n, uint32_t victim, int sig, const char* what, Check check) {
   node_harness h(n, nccl_env());
   h.spawn_all("cmesh_test_nccl", {"kill", std::to_string(victim)});
   for (uint32_t r = 0; r < n; ++r) {
@@ -116,8 +85,8 @@ TEST_CASE("nccl mp: SIGSTOP during 64 MiB all_reduces: the survivors revoke and 
   auto revoke = h.report(0, "revoke", 10s);
   REQUIRE(revoke);
   std::this_thread::sleep_for(200ms);
-  const int64_t t_stop = mono_ns();
-  REQUIRE(h.node(victim).signal(SIGSTOP));
+  const int64_t t_signal = mono_ns();
+  REQUIRE(h.node(victim).signal(sig));
   for (uint32_t r = 0; r < n; ++r) {
     if (r == victim)
       continue;
@@ -126,22 +95,38 @@ TEST_CASE("nccl mp: SIGSTOP during 64 MiB all_reduces: the survivors revoke and 
     no_fatal(h);
     REQUIRE(rep);
     auto e = parse_error(*rep);
-    MESSAGE("rank " << r << " (SIGSTOP): " << e.code << " after " << (e.mono_ns - t_stop) / 1000000
-                    << " ms:" << e.text);
+    const int64_t ms = (e.mono_ns - t_signal) / 1000000;
+    MESSAGE("rank " << r << " (" << what << "): " << e.code << " after " << ms << " ms:" << e.text);
     CHECK(e.text.find("rank " + std::to_string(victim)) != std::string::npos);
     auto rebuilt = h.report(r, "rebuilt", 120s);
     REQUIRE(rebuilt);
-    MESSAGE("rank " << r << " rebuilt after SIGSTOP (ok|FAIL, ms, path, size), revoke "
+    MESSAGE("rank " << r << " rebuilt after " << what << " (ok|FAIL, ms, path, size), revoke "
                     << revoke->value << ": " << rebuilt->value);
     CHECK(rebuilt->value.rfind("ok ", 0) == 0);
-    // The stopped rank's connections stay open, so NCCL reports no error: a
-    // library with revoke keeps the communicator and shrinks it.
-    if (revoke->value == "yes")
-      CHECK(rebuilt->value.find(" shrink ") != std::string::npos);
+    check(e, ms, rebuilt->value, revoke->value == "yes");
     auto after = h.report(r, "after", 30s);
     REQUIRE(after);
     CHECK(after->value == "poisoned");
   }
+}
+
+TEST_CASE("nccl mp: SIGKILL during 64 MiB all_reduces: peer_lost naming the rank, then rebuild") {
+  SKIP_WITHOUT_DEVICE();
+  lose_rank(3, 1, SIGKILL, "SIGKILL", [](const error_report& e, int64_t ms, const std::string&, bool) {
+    CHECK(e.code == "peer_lost");
+    CHECK(ms < 5000); // detection is milliseconds; the bound only catches hangs
+  });
+}
+
+TEST_CASE("nccl mp: SIGSTOP during 64 MiB all_reduces: the survivors revoke and shrink") {
+  SKIP_WITHOUT_DEVICE();
+  lose_rank(3, 2, SIGSTOP, "SIGSTOP",
+            [](const error_report&, int64_t, const std::string& rebuilt, bool revoke) {
+              // The stopped rank's connections stay open, so NCCL reports no
+              // error: a library with revoke keeps the communicator and shrinks it.
+              if (revoke)
+                CHECK(rebuilt.find(" shrink ") != std::string::npos);
+            });
 }
 
 TEST_CASE("nccl mp: abort from another thread stops an all_reduce nobody else joined") {

@@ -152,8 +152,9 @@ void* nccl_entry(const char* name) {
   return f;
 }
 
+// Their types come from the header (unevaluated: no reference to the symbols).
 #if CMESH_NCCL_HAS_REVOKE
-using revoke_fn = ncclResult_t (*)(ncclComm_t, int);
+using revoke_fn = decltype(&ncclCommRevoke);
 revoke_fn nccl_revoke() {
   static const auto f = reinterpret_cast<revoke_fn>(nccl_entry("ncclCommRevoke"));
   return f;
@@ -161,21 +162,12 @@ revoke_fn nccl_revoke() {
 #endif
 
 #if CMESH_NCCL_HAS_SHRINK
-using shrink_fn = ncclResult_t (*)(ncclComm_t, int*, int, ncclComm_t*, ncclConfig_t*, int);
+using shrink_fn = decltype(&ncclCommShrink);
 shrink_fn nccl_shrink() {
   static const auto f = reinterpret_cast<shrink_fn>(nccl_entry("ncclCommShrink"));
   return f;
 }
 #endif
-
-/// Whether this process can revoke (header and library both have it).
-bool can_revoke() {
-#if CMESH_NCCL_HAS_REVOKE
-  return nccl_revoke() != nullptr;
-#else
-  return false;
-#endif
-}
 
 /// Whether this process can shrink (header and library both have it).
 bool can_shrink_comms() {
@@ -528,7 +520,7 @@ public:
     if (comm_ == nullptr)
       return false;
 #if CMESH_NCCL_HAS_REVOKE
-    if (!revoked_ && can_revoke())
+    if (!revoked_ && nccl_can_revoke())
       revoke_locked();
     if (comm_ == nullptr)
       return false;
@@ -761,7 +753,7 @@ private:
         ncclResult_t st = ncclInProgress;
         const bool broken = ncclCommGetAsyncError(comm_, &st) != ncclSuccess
                          || (st != ncclSuccess && st != ncclInProgress);
-        if (opts_.revoke_on_failure && can_revoke() && !broken)
+        if (opts_.revoke_on_failure && nccl_can_revoke() && !broken)
           revoke_locked();
         else
           abort_locked();
@@ -1074,7 +1066,11 @@ expected<std::unique_ptr<communicator>> shrink(communicator& old_comm,
 }
 
 bool nccl_can_revoke() {
-  return can_revoke();
+#if CMESH_NCCL_HAS_REVOKE
+  return nccl_revoke() != nullptr;
+#else
+  return false;
+#endif
 }
 
 bool drain_background_aborts(std::chrono::milliseconds timeout) {
