@@ -73,6 +73,8 @@ std::map<std::string, std::map<std::string, setter>> schema() {
     double_key([](run_config& c) -> double& { return c.model.capacity_factor; }, 0.01, 1e6);
   m["aux_loss_weight"] =
     double_key([](run_config& c) -> double& { return c.model.aux_loss_weight; }, 0, 1e6);
+  m["activations"] =
+    choice_key([](run_config& c) -> std::string& { return c.model.activations; }, "fp32", "bf16");
   m["init_seed"] = [](const toml::node& n, run_config& c) {
     size_t v = 0;
     auto e = read_size(n, v, 0);
@@ -153,6 +155,10 @@ expected<run_config> parse_config(const std::string& text) {
         return bad(s->first + "." + std::string(key.str()) + " " + why);
     }
   }
+  // bf16 training keeps bf16 activations unless the file says otherwise.
+  const auto* model_table = root["model"].as_table();
+  if (c.train.precision == "bf16" && (!model_table || !model_table->contains("activations")))
+    c.model.activations = "bf16";
   if (auto e = validate(c, 1, 1))
     return e;
   return c;
@@ -187,6 +193,8 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
                + ") does not divide over " + std::to_string(ranks_per_group) + " ranks per group");
   if (t.exact && t.precision != "fp32")
     return bad("exact mode needs train.precision = \"fp32\"");
+  if (t.exact && m.activations != "fp32")
+    return bad("exact mode needs model.activations = \"fp32\"");
   if (t.device == "cuda" && t.sharding == "full")
     return bad("train.sharding = \"full\" is not supported with device \"cuda\" yet");
   if (t.exact && t.sharding == "full")

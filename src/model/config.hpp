@@ -21,6 +21,12 @@ struct moe_config {
   double capacity_factor = 1.25;
   double aux_loss_weight = 0.01;
   uint64_t init_seed = 1;
+  // What the forward pass computes in and keeps for the backward pass:
+  // "fp32", or "bf16" (each activation rounded to bf16 where a bf16 kernel
+  // would write it, and stored as bf16 between the passes; matrix products
+  // accumulate in fp32, the router, the loss and all gradients stay fp32).
+  // In a config file it follows train.precision unless given.
+  std::string activations = "fp32";
 };
 
 struct train_config {

@@ -40,6 +40,15 @@ file = "x.txt"
   REQUIRE(full);
   CHECK(full->train.sharding == "full");
   CHECK(full->train.precision == "bf16");
+  CHECK(full->model.activations == "bf16"); // follows the precision
+  CHECK(parse_config("")->model.activations == "fp32");
+  auto wide = parse_config("[model]\nactivations = \"fp32\"\n[train]\nprecision = \"bf16\"\n");
+  REQUIRE(wide);
+  CHECK(wide->model.activations == "fp32");
+  auto narrow = parse_config("[model]\nactivations = \"bf16\"\n");
+  REQUIRE(narrow);
+  CHECK(narrow->model.activations == "bf16");
+  CHECK(narrow->train.precision == "fp32");
   CHECK(full->train.expert_placement == "balanced"); // the default
   CHECK(full->train.overlap);                        // the default
   auto plain = parse_config("[train]\nsharding = \"full\"\noverlap = false\n");
@@ -68,6 +77,10 @@ TEST_CASE("bad configs give clear errors") {
         != std::string::npos);
   CHECK(err("[train]\nprecision = \"fp8\"\n").find("precision") != std::string::npos);
   CHECK(err("[train]\nexact = true\nprecision = \"bf16\"\n").find("exact mode") != std::string::npos);
+  CHECK(err("[model]\nactivations = \"bf16\"\n[train]\nexact = true\n")
+          .find("exact mode needs model.activations") != std::string::npos);
+  CHECK(err("[model]\nactivations = \"fp16\"\n").find("model.activations must be")
+        != std::string::npos);
   CHECK(err("[train]\nexpert_placement = \"random\"\n").find("train.expert_placement must be")
         != std::string::npos);
   CHECK(err("[train]\nexpert_replicas = -1\n").find("train.expert_replicas") != std::string::npos);

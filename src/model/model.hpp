@@ -150,6 +150,10 @@ public:
   /// Number of experts per MoE layer, and of MoE layers (0 for dense models).
   virtual size_t experts() const = 0;
   virtual size_t moe_layers() const = 0;
+
+  /// Bytes the forward pass keeps for the backward pass, as allocated after
+  /// the last step (0 when the model does not say).
+  virtual size_t saved_activation_bytes() const { return 0; }
 };
 
 } // namespace cmesh::model

@@ -13,6 +13,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/loss.hpp"
 #include "kernels/moe.hpp"
+#include "kernels/precision.hpp"
 
 #include <algorithm>
 #include <memory>
@@ -207,6 +208,9 @@ struct host_ops {
   CMESH_CPU_KERNEL(unpermute_tokens_backward)
   CMESH_CPU_KERNEL(load_balancing_loss)
   CMESH_CPU_KERNEL(load_balancing_backward)
+  CMESH_CPU_KERNEL(round_to_bf16)
+  CMESH_CPU_KERNEL(float_to_bf16)
+  CMESH_CPU_KERNEL(bf16_to_float)
 
   /// y[i] += x[i].
   static void add(T* y, const T* x, size_t n) {
@@ -245,6 +249,14 @@ void linear_backward(Ops& ops, const T* x, const T* dy, const T* w, size_t rows,
   ops.gemm(false, true, rows, in, out, T(1), dy, out, w, out, dx_beta, dx, in);
 }
 
+// bf16 activations between the forward and the backward pass: the bits of
+// each saved tensor, back to back, and each tensor's length.
+template <class Ops>
+struct packed_activations {
+  typename Ops::template buffer<uint16_t> bits;
+  std::vector<size_t> sizes;
+};
+
 // What a layer's backward pass needs from its forward pass.
 template <class T, class Ops>
 struct layer_cache {
@@ -272,6 +284,8 @@ struct layer_cache {
   std::vector<T> xs;                // xp (or its gradient) packed by host
   std::vector<T> xr, xe, ee_pre, ee_act, ye;  // received rows, expert-major rows
   size_t erows = 0;
+  // bf16 activations: the saved tensors, as bf16, between the passes.
+  packed_activations<Ops> packed;
 };
 
 template <class T, class Ops = host_ops<T>>
@@ -281,7 +295,8 @@ public:
   using buf = typename Ops::template buffer<U>;
 
   explicit network(const moe_config& c, Ops ops = {})
-      : c_(c), at_(make_layout(c)), ops_(std::move(ops)), caches_(c.layers) {}
+      : c_(c), at_(make_layout(c)), ops_(std::move(ops)), caches_(c.layers),
+        half_(std::is_same_v<T, float> && c.activations == "bf16") {}
 
   const layout& at() const { return at_; }
   void set_exchange(expert_exchange* x) { ex_ = x; }
@@ -289,9 +304,30 @@ public:
   void set_listener(gradient_listener* l) { gl_ = l; }
   bool streamed() const { return ps_ != nullptr; }
 
+  /// Bytes of what the forward pass keeps for the backward pass (the
+  /// layers' caches, the first and last activations, bf16 packs and the
+  /// float buffers they are unpacked into), as allocated.
+  size_t saved_activation_bytes() const {
+    size_t b = bytes(x_) + bytes(ctx_) + bytes(mix_pre_) + bytes(logits_) + bytes(top_.bits);
+    for (const auto& p : pool_)
+      b += bytes(p);
+    for (const auto& m : caches_) {
+      for (const auto* v : {&m.x_in, &m.ffn_pre, &m.ffn_act, &m.x_mid, &m.probs, &m.gates, &m.xp,
+                            &m.e_pre, &m.e_act, &m.e_out})
+        b += bytes(*v);
+      for (const auto* v : {&m.xs, &m.xr, &m.xe, &m.ee_pre, &m.ee_act, &m.ye})
+        b += bytes(*v);
+      for (const auto* v : {&m.chosen, &m.slots, &m.row_of, &m.token_of})
+        b += bytes(*v);
+      b += bytes(m.packed.bits);
+    }
+    return b;
+  }
+
   /// Forward, and backward when `g` is not null (adding loss_scale * grads).
   step_stats run(const T* p, T* g, const batch& b, T loss_scale, std::vector<int32_t>* routing) {
     p_ = p;
+    keep_ = g != nullptr;
     prepare(b);
     step_stats s;
     s.tokens = n_;
@@ -309,6 +345,96 @@ public:
 
 private:
   size_t d() const { return c_.d_model; }
+
+  template <class B>
+  static size_t bytes(const B& b) {
+    using V = std::remove_cv_t<std::remove_pointer_t<decltype(b.data())>>;
+    if constexpr (requires { b.capacity(); })
+      return b.capacity() * sizeof(V);
+    else
+      return b.size() * sizeof(V);
+  }
+
+  // -------------------------------------------------------------------------
+  // bf16 activations. Each activation a bf16 kernel would write is rounded
+  // to bf16 where it is produced (round()), so the forward pass computes
+  // with exactly the values it keeps; the tensors the backward pass needs
+  // are then packed as bf16 (a lossless pack) and their float buffers go
+  // back to a pool shared by all layers, which holds one layer's worth:
+  // saved activations take half the bytes, plus one layer's in fp32. The
+  // backward pass unpacks a layer's tensors into the pool's buffers. With
+  // fp32 activations none of this runs and each cache keeps its buffers.
+  using saved_list = std::vector<buf<T>*>;
+
+  void round(T* x, size_t n) {
+    if constexpr (std::is_same_v<T, float>)
+      if (half_ && n)
+        ops_.round_to_bf16(x, n);
+  }
+  // The tensors of a layer the backward pass reads (packed), then its
+  // scratch the backward pass reuses at the forward pass's sizes (pooled,
+  // not packed): the expert-parallel buffers exist on the host only.
+  saved_list saved(layer_cache<T, Ops>& m, size_t* packed_count) {
+    saved_list s{&m.x_in, &m.ffn_pre, &m.ffn_act, &m.x_mid, &m.xp, &m.e_pre, &m.e_act, &m.e_out};
+    if constexpr (std::is_same_v<buf<T>, std::vector<T>>)
+      s.insert(s.end(), {&m.xe, &m.ee_pre, &m.ee_act});
+    *packed_count = s.size();
+    if constexpr (std::is_same_v<buf<T>, std::vector<T>>)
+      s.insert(s.end(), {&m.xs, &m.xr, &m.ye});
+    return s;
+  }
+  saved_list saved_top(size_t* packed_count) {
+    *packed_count = 2;
+    return {&ctx_, &mix_pre_};
+  }
+  // Lends the pool's buffers to `s` (or takes them back: the same swap).
+  void swap_pool(const saved_list& s) {
+    if (pool_.size() < s.size())
+      pool_.resize(s.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+      using std::swap;
+      swap(*s[i], pool_[i]);
+    }
+  }
+  // End of a forward pass over `s` (holding the pool's buffers): packs the
+  // first `packed` tensors when a backward pass follows, returns the buffers.
+  void stash(const saved_list& s, size_t packed, packed_activations<Ops>& into) {
+    if constexpr (std::is_same_v<T, float>) {
+      into.sizes.resize(s.size());
+      size_t total = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        into.sizes[i] = s[i]->size();
+        if (i < packed)
+          total += s[i]->size();
+      }
+      if (keep_) {
+        into.bits.resize(total);
+        size_t at = 0;
+        for (size_t i = 0; i < packed; ++i)
+          if (const size_t n = s[i]->size()) {
+            ops_.float_to_bf16(s[i]->data(), into.bits.data() + at, n);
+            at += n;
+          }
+      }
+    }
+    swap_pool(s);
+  }
+  // Start of a backward pass over `s`: borrows the pool's buffers, at the
+  // forward pass's sizes, the packed tensors unpacked into them.
+  void unstash(const saved_list& s, size_t packed, const packed_activations<Ops>& from) {
+    swap_pool(s);
+    if constexpr (std::is_same_v<T, float>) {
+      CMESH_CHECK_EQ(from.sizes.size(), s.size());
+      size_t at = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        s[i]->resize(from.sizes[i]);
+        if (i < packed && from.sizes[i]) {
+          ops_.bf16_to_float(from.bits.data() + at, s[i]->data(), from.sizes[i]);
+          at += from.sizes[i];
+        }
+      }
+    }
+  }
 
   // Streamed weights (parameter_stream): one unit is live at a time; its
   // weights (and in the backward pass its gradient) are the stream's
@@ -390,16 +516,27 @@ private:
   void forward(step_stats& s) {
     const size_t n = n_, dm = d(), cw = c_.context * dm;
     x_.resize(n * dm);
+    tmp_.resize(n * std::max({dm, c_.ffn, vocab}));
+    size_t packed = 0;
+    const saved_list top = saved_top(&packed);
+    if (half_)
+      swap_pool(top);
     ctx_.resize(n * cw);
     mix_pre_.resize(n * dm);
-    tmp_.resize(n * std::max({dm, c_.ffn, vocab}));
     fetch(at_.pre);
     ops_.gather_rows(W(at_.embed), tok_.data(), n, dm, x_.data());
     ops_.gather_rows(W(at_.embed), ctx_idx_.data(), n * c_.context, dm, ctx_.data());
+    round(x_.data(), n * dm);
+    round(ctx_.data(), n * cw);
     linear(ops_, ctx_.data(), W(at_.mix_w), W(at_.mix_b), n, cw, dm, mix_pre_.data());
+    round(mix_pre_.data(), n * dm);
     ops_.gelu_forward(mix_pre_.data(), tmp_.data(), n * dm);
+    round(tmp_.data(), n * dm);
     ops_.add(x_.data(), tmp_.data(), n * dm);
+    round(x_.data(), n * dm);
     release(at_.pre);
+    if (half_)
+      stash(top, packed, top_);
     double aux = 0;
     for (size_t l = 0; l < c_.layers; ++l)
       aux += layer_forward(l, s);
@@ -416,22 +553,35 @@ private:
     const layer_at& at = at_.layers[l];
     layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
+    size_t packed = 0;
+    const saved_list kept = saved(m, &packed);
+    if (half_)
+      swap_pool(kept);
     m.x_in = x_;
     m.ffn_pre.resize(n * f);
     m.ffn_act.resize(n * f);
     fetch(at.ffn);
     linear(ops_, x_.data(), W(at.w1), W(at.b1), n, dm, f, m.ffn_pre.data());
+    round(m.ffn_pre.data(), n * f);
     ops_.gelu_forward(m.ffn_pre.data(), m.ffn_act.data(), n * f);
+    round(m.ffn_act.data(), n * f);
     linear(ops_, m.ffn_act.data(), W(at.w2), W(at.b2), n, f, dm, tmp_.data());
+    round(tmp_.data(), n * dm);
     release(at.ffn);
     ops_.add(x_.data(), tmp_.data(), n * dm);
+    round(x_.data(), n * dm);
     m.x_mid = x_;
     route(l, s);
     experts_forward(l);
     // The combine adds onto x_ (== x_mid): the MoE residual.
     ops_.unpermute_tokens(m.e_out.data(), m.row_of.data(), m.gates.data(), n, c_.top_k, dm,
                          x_.data());
-    return ops_.load_balancing_loss(m.probs.data(), m.chosen.data(), n, c_.experts, c_.top_k);
+    round(x_.data(), n * dm);
+    const double aux =
+      ops_.load_balancing_loss(m.probs.data(), m.chosen.data(), n, c_.experts, c_.top_k);
+    if (half_)
+      stash(kept, packed, m.packed);
+    return aux;
   }
 
   // Router probabilities, top-k, capacity and the permuted input rows.
@@ -485,8 +635,11 @@ private:
       T* act = m.e_act.data() + first * h;
       fetch(at_.layers[l].expert_units[e]);
       linear(ops_, m.xp.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
+      round(pre, cnt * h);
       ops_.gelu_forward(pre, act, cnt * h);
+      round(act, cnt * h);
       linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, m.e_out.data() + first * dm);
+      round(m.e_out.data() + first * dm, cnt * dm);
       release(at_.layers[l].expert_units[e]);
     }
   }
@@ -610,8 +763,11 @@ private:
         T* pre = m.ee_pre.data() + first * h;
         T* act = m.ee_act.data() + first * h;
         linear(ops_, m.xe.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
+        round(pre, cnt * h);
         ops_.gelu_forward(pre, act, cnt * h);
+        round(act, cnt * h);
         linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, m.ye.data() + first * dm);
+        round(m.ye.data() + first * dm, cnt * dm);
       }
       release(at_.layers[l].expert_units[e]);
     }
@@ -668,6 +824,10 @@ private:
     for (size_t l = c_.layers; l-- > 0;)
       layer_backward(l, g, loss_scale);
     // x = embed[tok] + gelu(mix(ctx)).
+    size_t packed = 0;
+    const saved_list top = saved_top(&packed);
+    if (half_)
+      unstash(top, packed, top_);
     ops_.gelu_backward(mix_pre_.data(), dx_.data(), tmp_.data(), n * dm);
     dctx_.resize(n * cw);
     fetch(at_.pre);
@@ -677,13 +837,19 @@ private:
     ops_.scatter_add_rows(dx_.data(), tok_.data(), n, dm, G(g, at_.embed));
     ops_.scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, G(g, at_.embed));
     reduced(at_.pre);
+    if (half_)
+      swap_pool(top);
   }
 
   // On entry dx_ is d(loss)/d(layer output); on exit d(loss)/d(layer input).
   void layer_backward(size_t l, T* g, T loss_scale) {
+    layer_cache<T, Ops>& m = caches_[l];
+    size_t packed = 0;
+    const saved_list kept = saved(m, &packed);
+    if (half_)
+      unstash(kept, packed, m.packed);
     moe_backward(l, g, loss_scale);
     const layer_at& at = at_.layers[l];
-    layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
     dact_.resize(n * f);
     fetch(at.ffn);
@@ -694,6 +860,8 @@ private:
     linear_backward(ops_, m.x_in.data(), dact_.data(), W(at.w1), n, dm, f, G(g, at.w1), G(g, at.b1),
                     dx_.data(), T(1));
     reduced(at.ffn);
+    if (half_)
+      swap_pool(kept);
   }
 
   // x_out = x_mid + combine(experts(permute(x_mid)), gates(router(x_mid))):
@@ -775,6 +943,10 @@ private:
   buf<int32_t> tok_, target_, ctx_idx_;
   buf<T> x_, ctx_, mix_pre_, logits_, tmp_;
   std::vector<layer_cache<T, Ops>> caches_;
+  bool half_ = false; // bf16 activations
+  bool keep_ = false; // a backward pass follows this forward pass
+  std::vector<buf<T>> pool_;        // bf16: the float buffers of the layer in hand
+  packed_activations<Ops> top_;     // bf16: ctx_ and mix_pre_
   buf<T> dlogits_, dx_, dctx_, dact_, de_out_, dgates_, dxp_, dprobs_;
   std::vector<T> dxe_; // expert parallel (host only)
 };
@@ -857,6 +1029,7 @@ public:
   }
   size_t experts() const override { return c_.experts; }
   size_t moe_layers() const override { return c_.layers; }
+  size_t saved_activation_bytes() const override { return net_.saved_activation_bytes(); }
 
 private:
   moe_config c_;
@@ -880,6 +1053,22 @@ public:
       cudaFree(p_);
   }
   cuda_buffer(const cuda_buffer& o) { *this = o; }
+  cuda_buffer(cuda_buffer&& o) noexcept : p_(o.p_), n_(o.n_), cap_(o.cap_) {
+    o.p_ = nullptr;
+    o.n_ = o.cap_ = 0;
+  }
+  cuda_buffer& operator=(cuda_buffer&& o) noexcept {
+    if (this != &o) {
+      if (p_)
+        cudaFree(p_);
+      p_ = o.p_;
+      n_ = o.n_;
+      cap_ = o.cap_;
+      o.p_ = nullptr;
+      o.n_ = o.cap_ = 0;
+    }
+    return *this;
+  }
   cuda_buffer& operator=(const cuda_buffer& o) {
     if (this != &o) {
       resize(o.n_);
@@ -1025,6 +1214,13 @@ public:
   }
   /// y += x: a bias of one row.
   void add(float* y, const float* x, size_t n) { kcu::add_row_bias(y, x, 1, n, stream_); }
+  void round_to_bf16(float* x, size_t n) { kcu::round_to_bf16(x, n, stream_); }
+  void float_to_bf16(const float* x, uint16_t* y, size_t n) {
+    kcu::float_to_bf16(x, y, n, stream_);
+  }
+  void bf16_to_float(const uint16_t* x, float* y, size_t n) {
+    kcu::bf16_to_float(x, y, n, stream_);
+  }
   template <class U>
   static void upload(buffer<U>& out, const U* from, size_t n) {
     out.resize(n);
@@ -1082,6 +1278,7 @@ public:
 
   size_t experts() const override { return c_.experts; }
   size_t moe_layers() const override { return c_.layers; }
+  size_t saved_activation_bytes() const override { return net_.saved_activation_bytes(); }
 
   bool set_expert_exchange(expert_exchange* x) override {
     if (x && (x->ranks() == 0 || x->rank() >= x->ranks()))

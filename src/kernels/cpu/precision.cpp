@@ -19,14 +19,15 @@ float float_of(std::uint32_t u) {
   return f;
 }
 
+// Branch-free, so the loops below vectorise.
 std::uint16_t to_bf16(float f) {
   const std::uint32_t u = bits_of(f);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu) != 0)
-    return static_cast<std::uint16_t>((u >> 16) | 0x0040u); // keep NaN a NaN: set the quiet bit
+  // Keep a NaN a NaN: its top half with the quiet bit set.
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
   // Add half an ulp of bf16, plus one when the kept part is odd (ties to
   // even); a carry into the exponent is the correct rounding up, up to inf.
-  const std::uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>((u + rounding) >> 16);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<std::uint16_t>(nan ? (u >> 16) | 0x0040u : rounded);
 }
 
 } // namespace
