@@ -364,72 +364,87 @@ private:
   // saved activations take half the bytes, plus one layer's in fp32. The
   // backward pass unpacks a layer's tensors into the pool's buffers. With
   // fp32 activations none of this runs and each cache keeps its buffers.
-  using saved_list = std::vector<buf<T>*>;
+  // The tensors kept between the passes: the first `packed` are read by the
+  // backward pass (packed as bf16), the rest are scratch it reuses at the
+  // forward pass's sizes (pooled only). Empty with fp32 activations, which
+  // makes lending, stashing and unstashing no-ops.
+  struct saved_set {
+    std::vector<buf<T>*> bufs;
+    size_t packed = 0;
+  };
 
   void round(T* x, size_t n) {
     if constexpr (std::is_same_v<T, float>)
       if (half_ && n)
         ops_.round_to_bf16(x, n);
   }
-  // The tensors of a layer the backward pass reads (packed), then its
-  // scratch the backward pass reuses at the forward pass's sizes (pooled,
-  // not packed): the expert-parallel buffers exist on the host only.
-  saved_list saved(layer_cache<T, Ops>& m, size_t* packed_count) {
-    saved_list s{&m.x_in, &m.ffn_pre, &m.ffn_act, &m.x_mid, &m.xp, &m.e_pre, &m.e_act, &m.e_out};
+  // A layer's: what its backward pass reads, then its scratch (the
+  // expert-parallel buffers exist on the host only).
+  saved_set saved(layer_cache<T, Ops>& m) const {
+    saved_set s;
+    if (!half_)
+      return s;
+    s.bufs = {&m.x_in, &m.ffn_pre, &m.ffn_act, &m.x_mid, &m.xp, &m.e_pre, &m.e_act, &m.e_out};
     if constexpr (std::is_same_v<buf<T>, std::vector<T>>)
-      s.insert(s.end(), {&m.xe, &m.ee_pre, &m.ee_act});
-    *packed_count = s.size();
+      s.bufs.insert(s.bufs.end(), {&m.xe, &m.ee_pre, &m.ee_act});
+    s.packed = s.bufs.size();
     if constexpr (std::is_same_v<buf<T>, std::vector<T>>)
-      s.insert(s.end(), {&m.xs, &m.xr, &m.ye});
+      s.bufs.insert(s.bufs.end(), {&m.xs, &m.xr, &m.ye});
     return s;
   }
-  saved_list saved_top(size_t* packed_count) {
-    *packed_count = 2;
-    return {&ctx_, &mix_pre_};
+  // The first activations' (the context window and the mix).
+  saved_set saved_top() {
+    if (!half_)
+      return {};
+    return {{&ctx_, &mix_pre_}, 2};
   }
   // Lends the pool's buffers to `s` (or takes them back: the same swap).
-  void swap_pool(const saved_list& s) {
-    if (pool_.size() < s.size())
-      pool_.resize(s.size());
-    for (size_t i = 0; i < s.size(); ++i) {
+  void swap_pool(const saved_set& s) {
+    if (pool_.size() < s.bufs.size())
+      pool_.resize(s.bufs.size());
+    for (size_t i = 0; i < s.bufs.size(); ++i) {
       using std::swap;
-      swap(*s[i], pool_[i]);
+      swap(*s.bufs[i], pool_[i]);
     }
   }
-  // End of a forward pass over `s` (holding the pool's buffers): packs the
-  // first `packed` tensors when a backward pass follows, returns the buffers.
-  void stash(const saved_list& s, size_t packed, packed_activations<Ops>& into) {
+  // End of a forward pass over `s` (holding the pool's buffers): packs what
+  // the backward pass reads when one follows, returns the buffers.
+  void stash(const saved_set& s, packed_activations<Ops>& into) {
     if constexpr (std::is_same_v<T, float>) {
-      into.sizes.resize(s.size());
+      if (s.bufs.empty())
+        return;
+      into.sizes.resize(s.bufs.size());
       size_t total = 0;
-      for (size_t i = 0; i < s.size(); ++i) {
-        into.sizes[i] = s[i]->size();
-        if (i < packed)
-          total += s[i]->size();
+      for (size_t i = 0; i < s.bufs.size(); ++i) {
+        into.sizes[i] = s.bufs[i]->size();
+        if (i < s.packed)
+          total += into.sizes[i];
       }
       if (keep_) {
         into.bits.resize(total);
         size_t at = 0;
-        for (size_t i = 0; i < packed; ++i)
-          if (const size_t n = s[i]->size()) {
-            ops_.float_to_bf16(s[i]->data(), into.bits.data() + at, n);
+        for (size_t i = 0; i < s.packed; ++i)
+          if (const size_t n = into.sizes[i]) {
+            ops_.float_to_bf16(s.bufs[i]->data(), into.bits.data() + at, n);
             at += n;
           }
       }
+      swap_pool(s);
     }
-    swap_pool(s);
   }
   // Start of a backward pass over `s`: borrows the pool's buffers, at the
   // forward pass's sizes, the packed tensors unpacked into them.
-  void unstash(const saved_list& s, size_t packed, const packed_activations<Ops>& from) {
-    swap_pool(s);
+  void unstash(const saved_set& s, const packed_activations<Ops>& from) {
     if constexpr (std::is_same_v<T, float>) {
-      CMESH_CHECK_EQ(from.sizes.size(), s.size());
+      if (s.bufs.empty())
+        return;
+      swap_pool(s);
+      CMESH_CHECK_EQ(from.sizes.size(), s.bufs.size());
       size_t at = 0;
-      for (size_t i = 0; i < s.size(); ++i) {
-        s[i]->resize(from.sizes[i]);
-        if (i < packed && from.sizes[i]) {
-          ops_.bf16_to_float(from.bits.data() + at, s[i]->data(), from.sizes[i]);
+      for (size_t i = 0; i < s.bufs.size(); ++i) {
+        s.bufs[i]->resize(from.sizes[i]);
+        if (i < s.packed && from.sizes[i]) {
+          ops_.bf16_to_float(from.bits.data() + at, s.bufs[i]->data(), from.sizes[i]);
           at += from.sizes[i];
         }
       }
@@ -517,10 +532,8 @@ private:
     const size_t n = n_, dm = d(), cw = c_.context * dm;
     x_.resize(n * dm);
     tmp_.resize(n * std::max({dm, c_.ffn, vocab}));
-    size_t packed = 0;
-    const saved_list top = saved_top(&packed);
-    if (half_)
-      swap_pool(top);
+    const saved_set top = saved_top();
+    swap_pool(top);
     ctx_.resize(n * cw);
     mix_pre_.resize(n * dm);
     fetch(at_.pre);
@@ -535,8 +548,7 @@ private:
     ops_.add(x_.data(), tmp_.data(), n * dm);
     round(x_.data(), n * dm);
     release(at_.pre);
-    if (half_)
-      stash(top, packed, top_);
+    stash(top, top_);
     double aux = 0;
     for (size_t l = 0; l < c_.layers; ++l)
       aux += layer_forward(l, s);
@@ -553,10 +565,8 @@ private:
     const layer_at& at = at_.layers[l];
     layer_cache<T, Ops>& m = caches_[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
-    size_t packed = 0;
-    const saved_list kept = saved(m, &packed);
-    if (half_)
-      swap_pool(kept);
+    const saved_set kept = saved(m);
+    swap_pool(kept);
     m.x_in = x_;
     m.ffn_pre.resize(n * f);
     m.ffn_act.resize(n * f);
@@ -579,8 +589,7 @@ private:
     round(x_.data(), n * dm);
     const double aux =
       ops_.load_balancing_loss(m.probs.data(), m.chosen.data(), n, c_.experts, c_.top_k);
-    if (half_)
-      stash(kept, packed, m.packed);
+    stash(kept, m.packed);
     return aux;
   }
 
@@ -824,10 +833,8 @@ private:
     for (size_t l = c_.layers; l-- > 0;)
       layer_backward(l, g, loss_scale);
     // x = embed[tok] + gelu(mix(ctx)).
-    size_t packed = 0;
-    const saved_list top = saved_top(&packed);
-    if (half_)
-      unstash(top, packed, top_);
+    const saved_set top = saved_top();
+    unstash(top, top_);
     ops_.gelu_backward(mix_pre_.data(), dx_.data(), tmp_.data(), n * dm);
     dctx_.resize(n * cw);
     fetch(at_.pre);
@@ -837,17 +844,14 @@ private:
     ops_.scatter_add_rows(dx_.data(), tok_.data(), n, dm, G(g, at_.embed));
     ops_.scatter_add_rows(dctx_.data(), ctx_idx_.data(), n * c_.context, dm, G(g, at_.embed));
     reduced(at_.pre);
-    if (half_)
-      swap_pool(top);
+    swap_pool(top);
   }
 
   // On entry dx_ is d(loss)/d(layer output); on exit d(loss)/d(layer input).
   void layer_backward(size_t l, T* g, T loss_scale) {
     layer_cache<T, Ops>& m = caches_[l];
-    size_t packed = 0;
-    const saved_list kept = saved(m, &packed);
-    if (half_)
-      unstash(kept, packed, m.packed);
+    const saved_set kept = saved(m);
+    unstash(kept, m.packed);
     moe_backward(l, g, loss_scale);
     const layer_at& at = at_.layers[l];
     const size_t n = n_, dm = d(), f = c_.ffn;
@@ -860,8 +864,7 @@ private:
     linear_backward(ops_, m.x_in.data(), dact_.data(), W(at.w1), n, dm, f, G(g, at.w1), G(g, at.b1),
                     dx_.data(), T(1));
     reduced(at.ffn);
-    if (half_)
-      swap_pool(kept);
+    swap_pool(kept);
   }
 
   // x_out = x_mid + combine(experts(permute(x_mid)), gates(router(x_mid))):
