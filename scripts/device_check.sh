@@ -121,6 +121,14 @@ checks() {
   step train_cuda1 90 "$BINS/cmesh" launch -n 1 --device cuda --steps 60 --log-every 20
   step train_cuda 90 "$BINS/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20
   step train_cpu 90 "$BINS/cmesh" launch -n 2 --steps 60 --log-every 20
+  # The same two ranks with the gradient summed on the host (the path
+  # before NCCL summed it), then a kill: the survivors' epoch and the grown
+  # one each build their NCCL communicator, the dead epoch's is aborted.
+  printf '[train]\ngradient_collectives = "host"\n' >"$OUT/host_sum.toml"
+  step train_cuda_hostsum 90 "$BINS/cmesh" launch -n 2 --device cuda --steps 60 --log-every 20 \
+    --config "$OUT/host_sum.toml"
+  step train_cuda_kill 120 "$BINS/cmesh" launch -n 3 --device cuda --steps 100 --log-every 20 \
+    --restart-delay-ms 200 --chaos kill@10:1 --events "$OUT/kill_events.jsonl"
   step train_cuda_big 90 "$BINS/cmesh" launch -n 1 --device cuda --config "$OUT/big.toml" --steps 30
   step train_cpu_big 90 "$BINS/cmesh" launch -n 1 --config "$OUT/big.toml" --steps 3
 }
@@ -239,9 +247,11 @@ fi
   grep -hE "MESSAGE: (accelerators|aborted \(|abort_all|init without|abort returned|rank [0-9]|all_reduce of|[0-9] ranks:|seed|GPU against)" \
     "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*MESSAGE: //' | grep -v "^seed"
   grep -h "the loaded NCCL" "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*\] //' | sort -u
-  for t in train_cuda1 train_cuda train_cpu train_cuda_big train_cpu_big; do
+  for t in train_cuda1 train_cuda train_cpu train_cuda_hostsum train_cuda_kill train_cuda_big \
+           train_cpu_big; do
     echo "---- $t"
-    grep -hE "^step|summary" "$OUT/$t.log" 2>/dev/null
+    grep -hE "^step|summary|committed step|lost|device communicator|summed over the groups" \
+      "$OUT/$t.log" 2>/dev/null | sed 's/^\[[^]]*\] \[info\] //'
   done
   echo "---- failures"
   grep -hE "ERROR:|FATAL|fatal|FAIL|symbol lookup|rebuilt .*\(ok" "${gpu_logs[@]}" 2>/dev/null | head -40

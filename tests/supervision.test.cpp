@@ -75,12 +75,13 @@ struct job {
   std::vector<event> events;
 };
 
-job launch(const std::string& args) {
+/// A job of `steps` steps, in exact mode unless `exact` is false.
+job launch(const std::string& args, bool exact = true) {
   auto path = "/tmp/cmesh_recovery_" + std::to_string(getpid()) + ".jsonl";
   std::remove(path.c_str());
   job j;
-  j.r = run_cmesh("launch --exact --steps " + std::to_string(steps) + " --log-every 20 --events "
-                    + path + " " + args,
+  j.r = run_cmesh(std::string("launch ") + (exact ? "--exact " : "") + "--steps "
+                    + std::to_string(steps) + " --log-every 20 --events " + path + " " + args,
                   {}, 300s);
   j.events = read_events(path);
   std::remove(path.c_str());
@@ -171,6 +172,35 @@ TEST_CASE("2 groups x 2 ranks: SIGKILL one rank; the other group goes on, the gr
   REQUIRE(grow >= 0);
   CHECK(ev[grow].field("members") == "[0,1,2,3]");
   check_identical(j, 4);
+}
+
+TEST_CASE("the device path: a killed group's loss aborts the device collectives, it rejoins") {
+  // --device emulated: the gradient is summed over the groups by the
+  // epoch's device communicator (the host backend over the emulated
+  // device). A kill must abort it like the epoch's other communicators,
+  // and every epoch (the survivors', the grown one) builds its own.
+  auto j = launch("-n 3 --device emulated --restart-delay-ms 200 --chaos kill@5:1", false);
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  CHECK(j.r.output.find("gradients summed over the groups on the device") != std::string::npos);
+  auto& ev = j.events;
+  int shrink = find_event(ev, 0, "epoch", [](auto& e) { return e.field("left") == "[1]"; });
+  REQUIRE(shrink >= 0);
+  int commit = find_event(ev, shrink, "first_commit", [](auto&) { return true; });
+  REQUIRE(commit >= 0);
+  CHECK(ev[commit].num("since_failure_ms") < 10000); // catches hangs, not a timing goal
+  int grow = find_event(ev, commit, "epoch", [](auto& e) { return e.field("joined") == "[1]"; });
+  REQUIRE(grow >= 0);
+  CHECK(ev[grow].field("members") == "[0,1,2]");
+  // Rank 0 built one for each epoch it was in: the first, the survivors',
+  // the grown one.
+  auto built = captures(j.r.output, "rank 0 built epoch ([0-9]+)'s device communicator");
+  CHECK(built.size() >= 3);
+  CHECK(std::set<std::string>(built.begin(), built.end()).size() == built.size());
+  // One set of weights: the rejoined rank applied every committed update.
+  auto ws = weights_of(j.r.output);
+  CHECK(ws.size() == 3);
+  CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
 }
 
 TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one set of weights") {

@@ -3,12 +3,16 @@
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "core/pages.hpp"
+#ifdef CMESH_HAVE_NCCL
+#include "collectives/nccl/nccl_communicator.hpp"
+#endif
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <condition_variable>
 #include <deque>
@@ -120,6 +124,12 @@ struct agent::impl {
   /// on a host context of its own, built lazily.
   std::array<std::shared_ptr<coll::host_context>, 2> part_ctx;
   std::array<std::unique_ptr<coll::communicator>, 2> parts;
+  /// The epoch's communicator over device memory, built lazily
+  /// (device_communicator), and the epoch it belongs to.
+  std::unique_ptr<coll::communicator> dev;
+  uint64_t dev_epoch = 0;
+  std::shared_ptr<coll::host_context> dev_ctx; // device_kind::host
+  std::atomic<bool> dev_abort{false};          // stops an NCCL creation in progress
   /// Aborts the current epoch's communicator and its parts (mu held).
   void abort_epoch(const caf::error& why) {
     if (comm)
@@ -127,6 +137,9 @@ struct agent::impl {
     for (auto& p : parts)
       if (p)
         p->abort(why);
+    if (dev)
+      dev->abort(why);
+    dev_abort.store(true);
   }
   coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
   uint32_t join_source = 0;
@@ -915,6 +928,96 @@ expected<coll::communicator*> agent::sub_communicator(size_t slot, coll::members
     I.parts[slot]->abort(p);
   I.abort_if_left_out();
   return I.parts[slot].get();
+}
+
+} // namespace cmesh::actors
+
+namespace cmesh::actors {
+
+bool agent::has_device_collectives() const {
+  return impl_->o.device_collectives != agent_options::device_kind::none;
+}
+
+expected<coll::communicator*> agent::device_communicator() {
+  auto& I = *impl_;
+  using kind = agent_options::device_kind;
+  if (I.o.device_collectives == kind::none)
+    return make_error(errc::invalid_argument, "this worker has no device collectives");
+  coll::communicator* world = nullptr;
+  uint64_t epoch = 0;
+  std::shared_ptr<coll::host_context> ctx;
+  std::unique_ptr<coll::communicator> old; // destroyed outside the lock
+  {
+    std::lock_guard lk(I.mu);
+    if (!I.comm)
+      return make_error(errc::invalid_argument, "no epoch for a device communicator");
+    world = I.comm.get();
+    epoch = world->members().epoch;
+    if (I.dev && I.dev_epoch == epoch)
+      return I.dev.get();
+    old = std::move(I.dev);
+    // A loss that ends this epoch while its communicator is built poisons
+    // `world` (the exchange below fails) or is caught after it (below).
+    I.dev_abort.store(false);
+    if (I.o.device_collectives == kind::host && !I.dev_ctx) {
+      auto c = coll::host_context::create(I.o.rank);
+      if (!c)
+        return c.error();
+      I.dev_ctx = std::move(*c);
+    }
+    ctx = I.dev_ctx;
+  }
+  old.reset();
+  const int64_t t0 = mono_ns();
+  expected<std::unique_ptr<coll::communicator>> made =
+    make_error(errc::invalid_argument, "no device collectives in this build");
+  if (I.o.device_collectives == kind::host) {
+    made = coll::make_host_subcommunicator(*world, ctx, world->members(), I.member_status(epoch),
+                                           I.o.host);
+  } else {
+#ifdef CMESH_HAVE_NCCL
+    // Member 0 makes the unique id and sends it over the epoch's host
+    // communicator: [made, 16 words of id].
+    std::array<int64_t, 1 + sizeof(coll::nccl_unique_id) / sizeof(int64_t)> msg{};
+    static_assert(sizeof(coll::nccl_unique_id) % sizeof(int64_t) == 0);
+    std::string why;
+    if (world->index() == 0) {
+      if (auto id = coll::make_nccl_unique_id()) {
+        msg[0] = 1;
+        std::memcpy(&msg[1], id->data(), id->size());
+      } else {
+        why = describe(id.error());
+      }
+    }
+    if (auto e = world->broadcast(msg.data(), msg.size(), coll::dtype::int64, 0))
+      return e;
+    if (msg[0] != 1)
+      return make_error(errc::transport_failure,
+                        fmt::format("epoch {}: member 0 (rank {}) could not make an NCCL unique "
+                                    "id{}",
+                                    epoch, world->members().ranks[0],
+                                    why.empty() ? "" : ": " + why));
+    coll::nccl_unique_id id{};
+    std::memcpy(id.data(), &msg[1], id.size());
+    coll::nccl_options no;
+    no.device = I.o.device;
+    no.abort_flag = &I.dev_abort;
+    made = coll::make_nccl_communicator(world->members(), I.o.rank, id, I.member_status(epoch),
+                                        no);
+#endif
+  }
+  if (!made)
+    return made.error();
+  spdlog::info("agent: rank {} built epoch {}'s device communicator ({}, {} members) in {:.1f} ms",
+               I.o.rank, epoch, I.o.device_collectives == kind::host ? "host backend" : "NCCL",
+               world->size(), static_cast<double>(mono_ns() - t0) / 1e6);
+  std::lock_guard lk(I.mu);
+  I.dev = std::move(*made);
+  I.dev_epoch = epoch;
+  if (auto p = world->poisoned())
+    I.dev->abort(p);
+  I.abort_if_left_out();
+  return I.dev.get();
 }
 
 } // namespace cmesh::actors

@@ -63,6 +63,13 @@ struct agent_options {
   /// reconnecting.
   std::optional<host_port> coordinator;
   wire::register_worker registration;
+  /// The trainer's collectives over device memory
+  /// (supervision::device_communicator): none; host (the device is
+  /// emulated in host memory, so a host communicator serves); nccl (an NCCL
+  /// communicator on CUDA device `device`).
+  enum class device_kind { none, host, nccl };
+  device_kind device_collectives = device_kind::none;
+  int device = -1; // nccl: the CUDA device ordinal (-1: NCCL's default choice)
 };
 
 /// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).
@@ -97,6 +104,8 @@ public:
   void committed(uint64_t k, std::span<const float> update) override;
   void computing(bool on) override;
   expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) override;
+  bool has_device_collectives() const override;
+  expected<coll::communicator*> device_communicator() override;
 
   struct impl;
 

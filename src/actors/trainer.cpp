@@ -95,6 +95,8 @@ struct trainer::impl {
   coll::communicator* group = nullptr; // this rank's replica group (S > 1)
   coll::communicator* cross = nullptr; // the ranks holding this shard (S > 1: else comm)
   supervision* sup = nullptr;          // elastic runs only
+  coll::communicator* dev = nullptr;   // the epoch's over device memory (on_device)
+  bool on_device = false;              // the gradient summed on the model's device
   shard_split shards;
   size_t position = 0;                 // this rank's position in its group
   std::vector<float> adam_m, adam_v;   // of this rank's shard
@@ -382,7 +384,14 @@ expected<train_result> trainer::run() {
   // Whole weights: summed unit by unit during the backward pass when the
   // model reports finished units, else after it.
   const bool whole_weights = !I.full && !tc.exact;
-  if (whole_weights) {
+  // On a device with one rank per group: the gradient stays there and the
+  // device's collectives sum it over the groups, once the backward passes
+  // are over.
+  I.on_device = whole_weights && S == 1 && I.sup && tc.gradient_collectives == "device"
+                && I.sup->has_device_collectives() && net.keep_gradients_on_device(true);
+  if (I.on_device)
+    spdlog::info("trainer: gradients summed over the groups on the device");
+  if (whole_weights && !I.on_device) {
     if (tc.overlap && net.set_gradient_listener(&I.reducer)) {
       I.lane = std::make_unique<collective_lane>();
       spdlog::info("trainer: gradients summed over the groups unit by unit during the backward "
@@ -411,6 +420,13 @@ expected<train_result> trainer::run() {
         return c.error();
       I.comm = *c;
       auto e = I.split_epoch();
+      if (!e && I.on_device) {
+        auto d = I.sup->device_communicator();
+        if (d)
+          I.dev = *d;
+        else
+          e = d.error();
+      }
       if (!e)
         e = I.reconcile(st);
       if (!e)
@@ -507,7 +523,7 @@ expected<train_result> trainer::run() {
       std::fill(update.begin(), update.end(), 0.0f);
       I.stream.reset(I.group, master, update, &I.comm_s);
     }
-    if (whole_weights) {
+    if (whole_weights && !I.on_device) {
       unit_reducer::step rs;
       rs.grads = grads;
       rs.sum = update;
@@ -566,6 +582,19 @@ expected<train_result> trainer::run() {
     // fp32; S == 1: `update` is `grads`), unit by unit during the last
     // backward pass (overlap), else now as one piece.
     auto sum_whole = [&] {
+      if (I.on_device) {
+        // In place on the device, then the sum comes down (S == 1:
+        // `update` is `grads`).
+        if (!latched) {
+          float* g = net.device_gradients();
+          I.collective(latched, [&] {
+            return I.dev->all_reduce(g, grads.size(), coll::dtype::float32,
+                                     coll::reduce_op::sum);
+          });
+        }
+        net.download_gradients();
+        return;
+      }
       const double t0 = mono_s();
       if (!unit_overlap && !latched)
         I.reducer.whole();

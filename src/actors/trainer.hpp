@@ -42,7 +42,13 @@
 // the loss is multiplied by a dynamic loss scale, gradients travel and are
 // summed as bf16, and a step whose gradient overflowed anywhere (agreed in
 // the commit vote) is skipped by every rank and backs the scale off.
-// Activations are computed in fp32 on the CPU.
+// Activations follow model.activations (see model/moe_lm.hpp).
+// On a device (train.device = "cuda") with one rank per group and a
+// supervision that has device collectives: the model keeps its gradient in
+// device memory, the step's sum over the groups runs there (NCCL: an fp32
+// all_reduce, in bf16 runs too) and the sum is downloaded once; clipping,
+// the vote and AdamW stay on the host. Other layouts, exact mode and
+// train.gradient_collectives = "host" sum on the host as on the CPU.
 // Experts (S > 1, not exact mode): for each micro-batch and layer the
 // group places the experts on its ranks from the rows every rank routed
 // (train.expert_placement: "balanced" runs the placement solver, with
@@ -152,6 +158,18 @@ public:
   /// its shard in every group. Aborted with the epoch; valid until the
   /// next enter_epoch.
   virtual expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) = 0;
+
+  /// Whether device_communicator() can work: the ranks compute on a device
+  /// whose memory a communicator reaches (NCCL on GPUs).
+  virtual bool has_device_collectives() const { return false; }
+
+  /// The current epoch's communicator of every member over device memory
+  /// (every pointer passed to it is the model's device memory), built at
+  /// once by every member. Aborted with the epoch; valid until the next
+  /// enter_epoch. invalid_argument without device collectives.
+  virtual expected<coll::communicator*> device_communicator() {
+    return make_error(errc::invalid_argument, "no device collectives");
+  }
 
   /// The trainer enters (true) or leaves (false) its local computation of a
   /// step: a step watchdog times it (collectives wait on others; compute

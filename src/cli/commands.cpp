@@ -5,6 +5,7 @@
 #include "chaos/plan.hpp"
 #include "cli/ring.hpp"
 #include "cli/train.hpp"
+#include "core/env.hpp"
 #include "core/process.hpp"
 #include "kernels/device.hpp"
 #include "transport/bootstrap.hpp"
@@ -21,6 +22,8 @@
 #include <optional>
 #include <set>
 #include <thread>
+
+#include <unistd.h>
 
 namespace cmesh::cli {
 
@@ -317,6 +320,10 @@ int run_worker(const job_options& job) {
 int run_launch(const job_options& job) {
   std::vector<chaos::action> plan;
   uint64_t target = 0;
+  // Ranks sharing a GPU: NCCL refuses two ranks of a communicator on one
+  // device of one host unless each process is a host of its own
+  // (NCCL_HOSTID); they then talk over NCCL's socket transport.
+  bool own_nccl_hosts = false;
   if (job.job == "train") {
     auto cfg = resolve_config(job.train, job.world_size);
     if (!cfg) {
@@ -324,6 +331,14 @@ int run_launch(const job_options& job) {
       return 2;
     }
     target = cfg->train.steps;
+    if (cfg->train.device == "cuda" && !env_string("NCCL_HOSTID")) {
+      const auto gpus = kernels::query_accelerators().devices.size();
+      own_nccl_hosts = gpus < job.world_size;
+      if (own_nccl_hosts)
+        fmt::print("cmesh: {} ranks on {} GPU(s): each worker gets an NCCL_HOSTID of its own "
+                   "(NCCL's socket transport between them)\n",
+                   job.world_size, gpus);
+    }
     auto p = chaos::parse_plan(job.supervise.chaos, job.world_size);
     if (!p) {
       fail_line(describe(p.error()));
@@ -365,12 +380,14 @@ int run_launch(const job_options& job) {
   };
   auto start_worker = [&](uint32_t r) -> bool {
     std::string err;
-    workers[r] = child_process::spawn(exe, worker_args(job),
-                                      {{"CMESH_COORDINATOR", address},
-                                       {"CMESH_RANK", std::to_string(r)},
-                                       {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
-                                       {"CMESH_LOCAL_RANK", std::to_string(r)}},
-                                      &err);
+    std::vector<std::pair<std::string, std::string>> env{
+      {"CMESH_COORDINATOR", address},
+      {"CMESH_RANK", std::to_string(r)},
+      {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
+      {"CMESH_LOCAL_RANK", std::to_string(r)}};
+    if (own_nccl_hosts)
+      env.emplace_back("NCCL_HOSTID", fmt::format("cmesh-{}-rank{}", ::getpid(), r));
+    workers[r] = child_process::spawn(exe, worker_args(job), env, &err);
     if (workers[r].pid() < 0) {
       fail_line("cannot start worker: " + err);
       return false;

@@ -46,9 +46,9 @@ int main(int argc, char** argv) {
     cmd->add_option("--replicas", job.train.replicas, "replica groups (default: one per rank)")
       ->check(CLI::PositiveNumber);
     cmd->add_option("--device", job.train.device,
-                    "where each rank computes: cpu, or cuda (one GPU per rank; overrides the "
-                    "config)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+                    "where each rank computes: cpu, cuda (one GPU per rank; overrides the "
+                    "config), or emulated (the device code path on the CPU, for tests)")
+      ->check(CLI::IsMember({"cpu", "cuda", "emulated"}));
     cmd->add_option("--catchup-nice", job.supervise.catchup_nice,
                     "nice value added to the threads serving or receiving a catch-up, so that "
                     "on a shared host it takes idle cores rather than the survivors' (0: off)")

@@ -116,6 +116,18 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   ao.registration = j.registration;
   ao.step_timeout = step_timeout;
   ao.catchup_nice = catchup_nice;
+  // The gradient's sum over the groups on the device (trainer.hpp): NCCL
+  // on the model's GPU, or the host backend over the emulated device.
+  if (config.train.device == "emulated")
+    ao.device_collectives = actors::agent_options::device_kind::host;
+#ifdef CMESH_HAVE_NCCL
+  if (config.train.device == "cuda") {
+    ao.device_collectives = actors::agent_options::device_kind::nccl;
+    const auto acc = kernels::query_accelerators();
+    if (!acc.devices.empty())
+      ao.device = static_cast<int>(rank % acc.devices.size()); // the model's GPU
+  }
+#endif
   // The agent owns the coordinator connection from here on (it reconnects
   // to a coordinator that restarts).
   actors::agent agent(ao, std::move(j.coordinator), *ctx);
@@ -152,8 +164,10 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   auto fut = done->get_future();
   auto* sup = &agent;
   spawn_blocking(sys, [done, opts, data = *data, sup, rank](caf::blocking_actor*) {
-    const auto where = opts.config.train.device == "cuda" ? model::compute_device::cuda
-                                                          : model::compute_device::cpu;
+    const auto& d = opts.config.train.device;
+    const auto where = d == "cuda"       ? model::compute_device::cuda
+                       : d == "emulated" ? model::compute_device::emulated
+                                         : model::compute_device::cpu;
     auto net = model::make_moe_lm_on(opts.config.model, where, rank);
     if (!net) {
       done->set_value(net.error());

@@ -42,12 +42,14 @@ std::map<std::string, std::map<std::string, setter>> schema() {
   auto double_key = [](auto field, double lo, double hi) -> setter {
     return [=](const toml::node& n, run_config& c) { return read_double(n, field(c), lo, hi); };
   };
-  // A string that must be one of two values.
-  auto choice_key = [](auto field, std::string a, std::string b) -> setter {
+  // A string that must be one of the given values.
+  auto choice_key = [](auto field, std::string a, std::string b,
+                       std::string c3 = {}) -> setter {
     return [=](const toml::node& n, run_config& c) -> std::string {
       auto v = n.value<std::string>();
-      if (!v || (*v != a && *v != b))
-        return "must be \"" + a + "\" or \"" + b + "\"";
+      if (!v || (*v != a && *v != b && (c3.empty() || *v != c3)))
+        return c3.empty() ? "must be \"" + a + "\" or \"" + b + "\""
+                          : "must be \"" + a + "\", \"" + b + "\" or \"" + c3 + "\"";
       field(c) = *v;
       return {};
     };
@@ -110,7 +112,10 @@ std::map<std::string, std::map<std::string, setter>> schema() {
   t["expert_placement"] = choice_key(
     [](run_config& c) -> std::string& { return c.train.expert_placement; }, "balanced", "static");
   t["device"] =
-    choice_key([](run_config& c) -> std::string& { return c.train.device; }, "cpu", "cuda");
+    choice_key([](run_config& c) -> std::string& { return c.train.device; }, "cpu", "cuda",
+               "emulated");
+  t["gradient_collectives"] = choice_key(
+    [](run_config& c) -> std::string& { return c.train.gradient_collectives; }, "device", "host");
   t["expert_replicas"] =
     size_key([](run_config& c) -> size_t& { return c.train.expert_replicas; }, 0);
   s["data"]["file"] = [](const toml::node& n, run_config& c) -> std::string {
@@ -195,8 +200,9 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
     return bad("exact mode needs train.precision = \"fp32\"");
   if (t.exact && m.activations != "fp32")
     return bad("exact mode needs model.activations = \"fp32\"");
-  if (t.device == "cuda" && t.sharding == "full")
-    return bad("train.sharding = \"full\" is not supported with device \"cuda\" yet");
+  if (t.device != "cpu" && t.sharding == "full")
+    return bad("train.sharding = \"full\" is not supported with device \"" + t.device
+               + "\" yet");
   if (t.exact && t.sharding == "full")
     return bad("exact mode needs train.sharding = \"optimizer\" (it turns each micro-batch's "
                "whole gradient into fixed point; full sharding hands gradients back tensor by "

@@ -66,9 +66,15 @@ struct train_config {
   // rank a fixed block of E/S.
   std::string expert_placement = "balanced";
   size_t expert_replicas = 0;
-  // Where each rank computes its forward/backward: "cpu", or "cuda" (a GPU
-  // per rank; the optimizer and the collectives stay on the host).
+  // Where each rank computes its forward/backward: "cpu", "cuda" (a GPU per
+  // rank; the optimizer stays on the host), or "emulated" (the device code
+  // path on the CPU, in memory it treats as a device's: for tests where
+  // there is no GPU).
   std::string device = "cpu";
+  // On a device, where the gradient is summed over the replica groups:
+  // "device" (NCCL on GPUs; the host backend for "emulated") with one rank
+  // per group and not exact, else on the host; "host": always on the host.
+  std::string gradient_collectives = "device";
 };
 
 struct data_config {

@@ -58,6 +58,11 @@ file = "x.txt"
   REQUIRE(placed);
   CHECK(placed->train.expert_placement == "static");
   CHECK(placed->train.expert_replicas == 3);
+  CHECK(placed->train.gradient_collectives == "device"); // the default
+  auto emulated = parse_config("[train]\ndevice = \"emulated\"\ngradient_collectives = \"host\"\n");
+  REQUIRE(emulated);
+  CHECK(emulated->train.device == "emulated");
+  CHECK(emulated->train.gradient_collectives == "host");
 }
 
 TEST_CASE("bad configs give clear errors") {
@@ -84,7 +89,15 @@ TEST_CASE("bad configs give clear errors") {
   CHECK(err("[train]\nexpert_placement = \"random\"\n").find("train.expert_placement must be")
         != std::string::npos);
   CHECK(err("[train]\nexpert_replicas = -1\n").find("train.expert_replicas") != std::string::npos);
-  CHECK(err("[train]\ndevice = \"tpu\"\n").find("train.device must be") != std::string::npos);
+  CHECK(err("[train]\ndevice = \"tpu\"\n").find(
+          "train.device must be \"cpu\", \"cuda\" or \"emulated\"")
+        != std::string::npos);
+  CHECK(err("[train]\ngradient_collectives = \"nccl\"\n")
+          .find("train.gradient_collectives must be \"device\" or \"host\"")
+        != std::string::npos);
+  CHECK(err("[train]\ndevice = \"emulated\"\nsharding = \"full\"\n")
+          .find("not supported with device \"emulated\"")
+        != std::string::npos);
   CHECK(err("[train]\ndevice = \"cuda\"\nsharding = \"full\"\n").find("not supported")
         != std::string::npos);
   CHECK(err("[train]\nsharding = \"zero3\"\n").find("train.sharding must be") != std::string::npos);

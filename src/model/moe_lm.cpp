@@ -996,14 +996,17 @@ struct emulated_ops : host_ops<float> {
     CMESH_CHECK_LE(n, from.size());
     std::copy_n(from.data(), n, out);
   }
+  static void synchronize() {}
 };
 
 /// The model over a device network: parameters() and gradients() are host
-/// buffers (the runtime reduces, shards and updates them there); each
-/// forward_backward uploads the weights, runs on the device, adds to the
-/// device's gradient and downloads it, so gradients() holds the sum since
-/// the last zero_gradients() when it returns. Experts are not split over
-/// ranks and weights are not streamed on a device yet.
+/// buffers (the runtime shards and updates them there); each
+/// forward_backward uploads the weights, runs on the device and adds to the
+/// device's gradient. It then downloads it, so gradients() holds the sum
+/// since the last zero_gradients() when it returns, unless the gradient is
+/// kept on the device (keep_gradients_on_device): the runtime then sums it
+/// over the replicas there and downloads the sum once. Experts are not
+/// split over ranks and weights are not streamed on a device yet.
 template <class Ops>
 class device_model final : public model {
 public:
@@ -1017,15 +1020,28 @@ public:
   std::span<float> parameters() override { return params_.span(); }
   std::span<float> gradients() override { return grads_.span(); }
   void zero_gradients() override {
-    std::fill(grads_.begin(), grads_.end(), 0.0f);
+    if (!kept_)
+      std::fill(grads_.begin(), grads_.end(), 0.0f);
     d_grads_.assign(net_.at().total, 0.0f);
   }
   step_stats forward_backward(const batch& b, float loss_scale) override {
     Ops::upload(d_params_, params_.data(), params_.size());
     auto s = net_.run(d_params_.data(), d_grads_.data(), b, loss_scale, nullptr);
-    Ops::download(grads_.data(), d_grads_, grads_.size());
+    if (!kept_)
+      Ops::download(grads_.data(), d_grads_, grads_.size());
     return s;
   }
+  bool keep_gradients_on_device(bool on) override {
+    kept_ = on;
+    return true;
+  }
+  float* device_gradients() override {
+    if (!kept_)
+      return nullptr;
+    Ops::synchronize(); // the network's kernels, before another stream reads it
+    return d_grads_.data();
+  }
+  void download_gradients() override { Ops::download(grads_.data(), d_grads_, grads_.size()); }
   step_stats evaluate(const batch& b) override {
     Ops::upload(d_params_, params_.data(), params_.size());
     return net_.run(d_params_.data(), nullptr, b, 1.0f, nullptr);
@@ -1039,6 +1055,7 @@ private:
   network<float, Ops> net_;
   page_array params_, grads_;
   typename Ops::template buffer<float> d_params_, d_grads_;
+  bool kept_ = false; // the gradient stays on the device (keep_gradients_on_device)
 };
 
 #ifdef CMESH_HAVE_CUDA
@@ -1236,6 +1253,9 @@ public:
     if (n)
       CMESH_CUDA_CHECK(cudaMemcpy(out, from.data(), n * sizeof(U), cudaMemcpyDeviceToHost));
   }
+  /// Every kernel and copy of this device finished (the NCCL backend runs
+  /// on a stream of its own, which the legacy default stream does not order).
+  static void synchronize() { CMESH_CUDA_CHECK(cudaDeviceSynchronize()); }
 
 private:
   template <class U>
