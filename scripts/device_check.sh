@@ -250,7 +250,7 @@ fi
   for t in train_cuda1 train_cuda train_cpu train_cuda_hostsum train_cuda_kill train_cuda_big \
            train_cpu_big; do
     echo "---- $t"
-    grep -hE "^step|summary|committed step|lost|device communicator|summed over the groups" \
+    grep -hE "^step|summary|committed step|lost|device communicator|summed on the device" \
       "$OUT/$t.log" 2>/dev/null | sed 's/^\[[^]]*\] \[info\] //'
   done
   echo "---- failures"

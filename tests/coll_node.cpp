@@ -158,6 +158,13 @@ void check_ops(node& nd, communicator& comm, checker& ck, uint64_t seed, size_t 
         reference(ref.data(), count, t, reduce_op::sum, s, n);
         ck.expect(std::memcmp(out.data(), ref.data() + off * es, counts[me] * es) == 0,
                   "reduce_scatter differs " + tag);
+        // In place: the output is this member's own block of the input.
+        fill(buf.data(), count, t, s, me);
+        ck.expect_ok(comm.reduce_scatter(buf.data(), buf.data() + off * es, counts, t,
+                                         reduce_op::sum),
+                     "reduce_scatter in place " + tag);
+        ck.expect(std::memcmp(buf.data() + off * es, ref.data() + off * es, counts[me] * es) == 0,
+                  "reduce_scatter in place differs " + tag);
       }
       // all_gather with uneven blocks
       {

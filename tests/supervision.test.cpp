@@ -175,31 +175,49 @@ TEST_CASE("2 groups x 2 ranks: SIGKILL one rank; the other group goes on, the gr
 }
 
 TEST_CASE("the device path: a killed group's loss aborts the device collectives, it rejoins") {
-  // --device emulated: the gradient is summed over the groups by the
-  // epoch's device communicator (the host backend over the emulated
-  // device). A kill must abort it like the epoch's other communicators,
-  // and every epoch (the survivors', the grown one) builds its own.
-  auto j = launch("-n 3 --device emulated --restart-delay-ms 200 --chaos kill@5:1", false);
+  // --device emulated: the gradient is summed by the epoch's device
+  // communicators (the host backend over the emulated device): the
+  // shard's holders' (everyone, with groups of one rank) and, with groups
+  // of two, the group's. A kill must abort them like the epoch's other
+  // communicators, and every epoch (the survivors', the grown one) builds
+  // its own.
+  std::string args, left, everyone;
+  size_t ranks = 0, slots = 1;
+  SUBCASE("3 groups of one rank") {
+    args = "-n 3 --chaos kill@5:1";
+    left = "[1]";
+    everyone = "[0,1,2]";
+    ranks = 3;
+  }
+  SUBCASE("2 groups of two ranks") {
+    args = "-n 4 --replicas 2 --chaos kill@5:3";
+    left = "[2,3]";
+    everyone = "[0,1,2,3]";
+    ranks = 4;
+    slots = 2;
+  }
+  CAPTURE(args);
+  auto j = launch(args + " --device emulated --restart-delay-ms 200", false);
   INFO(j.r.output);
   REQUIRE(j.r.exit_code == 0);
-  CHECK(j.r.output.find("gradients summed over the groups on the device") != std::string::npos);
+  CHECK(j.r.output.find("gradients summed on the device") != std::string::npos);
   auto& ev = j.events;
-  int shrink = find_event(ev, 0, "epoch", [](auto& e) { return e.field("left") == "[1]"; });
+  int shrink = find_event(ev, 0, "epoch", [&](auto& e) { return e.field("left") == left; });
   REQUIRE(shrink >= 0);
   int commit = find_event(ev, shrink, "first_commit", [](auto&) { return true; });
   REQUIRE(commit >= 0);
   CHECK(ev[commit].num("since_failure_ms") < 10000); // catches hangs, not a timing goal
-  int grow = find_event(ev, commit, "epoch", [](auto& e) { return e.field("joined") == "[1]"; });
+  int grow = find_event(ev, commit, "epoch", [&](auto& e) { return e.field("joined") == left; });
   REQUIRE(grow >= 0);
-  CHECK(ev[grow].field("members") == "[0,1,2]");
-  // Rank 0 built one for each epoch it was in: the first, the survivors',
-  // the grown one.
+  CHECK(ev[grow].field("members") == everyone);
+  // Rank 0 built its device communicators for each epoch it was in: the
+  // first, the survivors', the grown one.
   auto built = captures(j.r.output, "rank 0 built epoch ([0-9]+)'s device communicator");
-  CHECK(built.size() >= 3);
-  CHECK(std::set<std::string>(built.begin(), built.end()).size() == built.size());
-  // One set of weights: the rejoined rank applied every committed update.
+  CHECK(built.size() >= 3 * slots);
+  CHECK(std::set<std::string>(built.begin(), built.end()).size() * slots == built.size());
+  // One set of weights: the rejoined ranks applied every committed update.
   auto ws = weights_of(j.r.output);
-  CHECK(ws.size() == 3);
+  CHECK(ws.size() == ranks);
   CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
 }
 

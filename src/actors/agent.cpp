@@ -124,12 +124,12 @@ struct agent::impl {
   /// on a host context of its own, built lazily.
   std::array<std::shared_ptr<coll::host_context>, 2> part_ctx;
   std::array<std::unique_ptr<coll::communicator>, 2> parts;
-  /// The epoch's communicator over device memory, built lazily
-  /// (device_communicator), and the epoch it belongs to.
-  std::unique_ptr<coll::communicator> dev;
-  uint64_t dev_epoch = 0;
-  std::shared_ptr<coll::host_context> dev_ctx; // device_kind::host
-  std::atomic<bool> dev_abort{false};          // stops an NCCL creation in progress
+  /// The epoch's communicators over device memory (device_communicator,
+  /// slots as for parts), and the epoch each belongs to.
+  std::array<std::unique_ptr<coll::communicator>, 2> devs;
+  std::array<uint64_t, 2> dev_epochs{};
+  std::array<std::shared_ptr<coll::host_context>, 2> dev_ctx; // device_kind::host
+  std::atomic<bool> dev_abort{false}; // stops an NCCL creation in progress
   /// Aborts the current epoch's communicator and its parts (mu held).
   void abort_epoch(const caf::error& why) {
     if (comm)
@@ -137,8 +137,9 @@ struct agent::impl {
     for (auto& p : parts)
       if (p)
         p->abort(why);
-    if (dev)
-      dev->abort(why);
+    for (auto& d : devs)
+      if (d)
+        d->abort(why);
     dev_abort.store(true);
   }
   coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
@@ -938,9 +939,10 @@ bool agent::has_device_collectives() const {
   return impl_->o.device_collectives != agent_options::device_kind::none;
 }
 
-expected<coll::communicator*> agent::device_communicator() {
+expected<coll::communicator*> agent::device_communicator(size_t slot, coll::membership part) {
   auto& I = *impl_;
   using kind = agent_options::device_kind;
+  CMESH_CHECK_LT(slot, I.devs.size());
   if (I.o.device_collectives == kind::none)
     return make_error(errc::invalid_argument, "this worker has no device collectives");
   coll::communicator* world = nullptr;
@@ -953,71 +955,84 @@ expected<coll::communicator*> agent::device_communicator() {
       return make_error(errc::invalid_argument, "no epoch for a device communicator");
     world = I.comm.get();
     epoch = world->members().epoch;
-    if (I.dev && I.dev_epoch == epoch)
-      return I.dev.get();
-    old = std::move(I.dev);
+    auto& d = I.devs[slot];
+    if (d && I.dev_epochs[slot] == epoch && d->members().ranks == part.ranks)
+      return d.get();
+    old = std::move(d);
     // A loss that ends this epoch while its communicator is built poisons
     // `world` (the exchange below fails) or is caught after it (below).
     I.dev_abort.store(false);
-    if (I.o.device_collectives == kind::host && !I.dev_ctx) {
+    if (I.o.device_collectives == kind::host && !I.dev_ctx[slot]) {
       auto c = coll::host_context::create(I.o.rank);
       if (!c)
         return c.error();
-      I.dev_ctx = std::move(*c);
+      I.dev_ctx[slot] = std::move(*c);
     }
-    ctx = I.dev_ctx;
+    ctx = I.dev_ctx[slot];
   }
   old.reset();
   const int64_t t0 = mono_ns();
   expected<std::unique_ptr<coll::communicator>> made =
     make_error(errc::invalid_argument, "no device collectives in this build");
+  const size_t members = part.size();
+  if (part.index_of(I.o.rank) == part.size())
+    return make_error(errc::invalid_argument,
+                      fmt::format("rank {} is not in the part it asked for", I.o.rank));
   if (I.o.device_collectives == kind::host) {
-    made = coll::make_host_subcommunicator(*world, ctx, world->members(), I.member_status(epoch),
+    made = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
                                            I.o.host);
   } else {
 #ifdef CMESH_HAVE_NCCL
-    // Member 0 makes the unique id and sends it over the epoch's host
-    // communicator: [made, 16 words of id].
-    std::array<int64_t, 1 + sizeof(coll::nccl_unique_id) / sizeof(int64_t)> msg{};
+    // The first member of each part makes its unique id; every member
+    // sends [made, 16 words of id] (zeros unless it made one) to every
+    // other over the epoch's host communicator and takes its part's.
+    constexpr size_t words = 1 + sizeof(coll::nccl_unique_id) / sizeof(int64_t);
     static_assert(sizeof(coll::nccl_unique_id) % sizeof(int64_t) == 0);
+    const size_t n = world->size(), me = world->index();
+    std::vector<int64_t> msgs(n * words, 0);
     std::string why;
-    if (world->index() == 0) {
+    if (part.ranks[0] == I.o.rank) {
       if (auto id = coll::make_nccl_unique_id()) {
-        msg[0] = 1;
-        std::memcpy(&msg[1], id->data(), id->size());
+        msgs[me * words] = 1;
+        std::memcpy(&msgs[me * words + 1], id->data(), id->size());
       } else {
         why = describe(id.error());
       }
     }
-    if (auto e = world->broadcast(msg.data(), msg.size(), coll::dtype::int64, 0))
+    std::vector<int64_t> mine(msgs.begin() + static_cast<ptrdiff_t>(me * words),
+                              msgs.begin() + static_cast<ptrdiff_t>((me + 1) * words));
+    if (auto e = world->all_gather(mine.data(), msgs.data(), std::vector<size_t>(n, words),
+                                   coll::dtype::int64))
       return e;
-    if (msg[0] != 1)
+    const size_t leader = world->members().index_of(part.ranks[0]);
+    if (leader == n || msgs[leader * words] != 1)
       return make_error(errc::transport_failure,
-                        fmt::format("epoch {}: member 0 (rank {}) could not make an NCCL unique "
-                                    "id{}",
-                                    epoch, world->members().ranks[0],
-                                    why.empty() ? "" : ": " + why));
+                        fmt::format("epoch {}: rank {} could not make an NCCL unique id{}", epoch,
+                                    part.ranks[0], why.empty() ? "" : ": " + why));
     coll::nccl_unique_id id{};
-    std::memcpy(id.data(), &msg[1], id.size());
+    std::memcpy(id.data(), &msgs[leader * words + 1], id.size());
     coll::nccl_options no;
     no.device = I.o.device;
     no.abort_flag = &I.dev_abort;
-    made = coll::make_nccl_communicator(world->members(), I.o.rank, id, I.member_status(epoch),
+    no.name = fmt::format("cmesh-epoch-{}-{}", epoch, slot == 0 ? "group" : "cross");
+    made = coll::make_nccl_communicator(std::move(part), I.o.rank, id, I.member_status(epoch),
                                         no);
 #endif
   }
   if (!made)
     return made.error();
-  spdlog::info("agent: rank {} built epoch {}'s device communicator ({}, {} members) in {:.1f} ms",
-               I.o.rank, epoch, I.o.device_collectives == kind::host ? "host backend" : "NCCL",
-               world->size(), static_cast<double>(mono_ns() - t0) / 1e6);
+  spdlog::info("agent: rank {} built epoch {}'s device communicator {} ({}, {} members) in "
+               "{:.1f} ms",
+               I.o.rank, epoch, slot, I.o.device_collectives == kind::host ? "host backend" : "NCCL",
+               members, static_cast<double>(mono_ns() - t0) / 1e6);
   std::lock_guard lk(I.mu);
-  I.dev = std::move(*made);
-  I.dev_epoch = epoch;
+  auto& d = I.devs[slot];
+  d = std::move(*made);
+  I.dev_epochs[slot] = epoch;
   if (auto p = world->poisoned())
-    I.dev->abort(p);
+    d->abort(p);
   I.abort_if_left_out();
-  return I.dev.get();
+  return d.get();
 }
 
 } // namespace cmesh::actors

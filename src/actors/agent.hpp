@@ -105,7 +105,7 @@ public:
   void computing(bool on) override;
   expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) override;
   bool has_device_collectives() const override;
-  expected<coll::communicator*> device_communicator() override;
+  expected<coll::communicator*> device_communicator(size_t slot, coll::membership part) override;
 
   struct impl;
 

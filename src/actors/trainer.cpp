@@ -95,7 +95,8 @@ struct trainer::impl {
   coll::communicator* group = nullptr; // this rank's replica group (S > 1)
   coll::communicator* cross = nullptr; // the ranks holding this shard (S > 1: else comm)
   supervision* sup = nullptr;          // elastic runs only
-  coll::communicator* dev = nullptr;   // the epoch's over device memory (on_device)
+  coll::communicator* dev_group = nullptr; // on_device, S > 1: the group's over device memory
+  coll::communicator* dev_cross = nullptr; // on_device: the shard's holders' (S = 1: everyone)
   bool on_device = false;              // the gradient summed on the model's device
   shard_split shards;
   size_t position = 0;                 // this rank's position in its group
@@ -158,6 +159,7 @@ struct trainer::impl {
   void apply(std::span<float> params, uint64_t k, std::span<const float> update);
   void remember(uint64_t k, std::span<const float> update);
   caf::error split_epoch();
+  caf::error device_epoch();
   caf::error reconcile(train_state& st);
   expected<double> global_norm(std::span<const float> shard);
 };
@@ -246,6 +248,23 @@ caf::error trainer::impl::split_epoch() {
     return xc.error();
   group = *gc;
   cross = *xc;
+  return {};
+}
+
+/// The device communicators of the epoch just split: the group's (S > 1)
+/// and the shard's holders', of the same members as the host ones.
+caf::error trainer::impl::device_epoch() {
+  dev_group = dev_cross = nullptr;
+  if (group) {
+    auto g = sup->device_communicator(0, group->members());
+    if (!g)
+      return g.error();
+    dev_group = *g;
+  }
+  auto x = sup->device_communicator(1, cross->members());
+  if (!x)
+    return x.error();
+  dev_cross = *x;
   return {};
 }
 
@@ -384,13 +403,14 @@ expected<train_result> trainer::run() {
   // Whole weights: summed unit by unit during the backward pass when the
   // model reports finished units, else after it.
   const bool whole_weights = !I.full && !tc.exact;
-  // On a device with one rank per group: the gradient stays there and the
-  // device's collectives sum it over the groups, once the backward passes
-  // are over.
-  I.on_device = whole_weights && S == 1 && I.sup && tc.gradient_collectives == "device"
+  // On a device: the gradient stays there and the device's collectives sum
+  // it, once the backward passes are over.
+  I.on_device = whole_weights && I.sup && tc.gradient_collectives == "device"
                 && I.sup->has_device_collectives() && net.keep_gradients_on_device(true);
   if (I.on_device)
-    spdlog::info("trainer: gradients summed over the groups on the device");
+    spdlog::info("trainer: gradients summed on the device{}",
+                 S > 1 ? " (reduce_scatter over the group, all_reduce over the groups)"
+                       : " (all_reduce over the groups)");
   if (whole_weights && !I.on_device) {
     if (tc.overlap && net.set_gradient_listener(&I.reducer)) {
       I.lane = std::make_unique<collective_lane>();
@@ -420,13 +440,8 @@ expected<train_result> trainer::run() {
         return c.error();
       I.comm = *c;
       auto e = I.split_epoch();
-      if (!e && I.on_device) {
-        auto d = I.sup->device_communicator();
-        if (d)
-          I.dev = *d;
-        else
-          e = d.error();
-      }
+      if (!e && I.on_device)
+        e = I.device_epoch();
       if (!e)
         e = I.reconcile(st);
       if (!e)
@@ -515,7 +530,9 @@ expected<train_result> trainer::run() {
     net.zero_gradients();
     // The reduced gradient of this rank's shard ends in `update`.
     std::span<float> update = S == 1 ? std::span<float>(grads) : std::span<float>();
-    if (S > 1) {
+    if (S > 1 && I.on_device) {
+      update = I.shard_of(grads); // the shard's sum is downloaded into place
+    } else if (S > 1) {
       I.shard_grad.resize(my_params.size());
       update = I.shard_grad;
     }
@@ -583,16 +600,22 @@ expected<train_result> trainer::run() {
     // backward pass (overlap), else now as one piece.
     auto sum_whole = [&] {
       if (I.on_device) {
-        // In place on the device, then the sum comes down (S == 1:
-        // `update` is `grads`).
+        // In place on the device, then this rank's shard of the sum comes
+        // down into `update` (its range of `grads`).
+        const size_t at = I.shards.offsets[I.position], n = I.shards.counts[I.position];
         if (!latched) {
           float* g = net.device_gradients();
+          if (I.dev_group)
+            I.collective(latched, [&] {
+              return I.dev_group->reduce_scatter(g, g + at, I.shards.counts,
+                                                 coll::dtype::float32, coll::reduce_op::sum);
+            });
           I.collective(latched, [&] {
-            return I.dev->all_reduce(g, grads.size(), coll::dtype::float32,
-                                     coll::reduce_op::sum);
+            return I.dev_cross->all_reduce(g + at, n, coll::dtype::float32,
+                                           coll::reduce_op::sum);
           });
         }
-        net.download_gradients();
+        net.download_gradients(at, n);
         return;
       }
       const double t0 = mono_s();

@@ -43,11 +43,13 @@
 // summed as bf16, and a step whose gradient overflowed anywhere (agreed in
 // the commit vote) is skipped by every rank and backs the scale off.
 // Activations follow model.activations (see model/moe_lm.hpp).
-// On a device (train.device = "cuda") with one rank per group and a
-// supervision that has device collectives: the model keeps its gradient in
-// device memory, the step's sum over the groups runs there (NCCL: an fp32
-// all_reduce, in bf16 runs too) and the sum is downloaded once; clipping,
-// the vote and AdamW stay on the host. Other layouts, exact mode and
+// On a device (train.device = "cuda") with a supervision that has device
+// collectives: the model keeps its gradient in device memory and the
+// step's sums run there (NCCL; in fp32, in bf16 runs too): the
+// reduce_scatter over the group, in place, then the all_reduce of the
+// shard over its holders (S = 1: the all_reduce of the whole gradient), and
+// only this rank's shard of the sum is downloaded; the weights' gather,
+// clipping, the vote and AdamW stay on the host. Exact mode and
 // train.gradient_collectives = "host" sum on the host as on the CPU.
 // Experts (S > 1, not exact mode): for each micro-batch and layer the
 // group places the experts on its ranks from the rows every rank routed
@@ -163,11 +165,16 @@ public:
   /// whose memory a communicator reaches (NCCL on GPUs).
   virtual bool has_device_collectives() const { return false; }
 
-  /// The current epoch's communicator of every member over device memory
-  /// (every pointer passed to it is the model's device memory), built at
-  /// once by every member. Aborted with the epoch; valid until the next
-  /// enter_epoch. invalid_argument without device collectives.
-  virtual expected<coll::communicator*> device_communicator() {
+  /// A communicator of part of the current epoch's members over device
+  /// memory (every pointer passed to it is the model's device memory),
+  /// built at once by every member, each with its own part, slots as for
+  /// sub_communicator: 0 this rank's replica group, 1 the ranks holding its
+  /// shard in every group (every member when groups are of one rank).
+  /// Aborted with the epoch; valid until the next enter_epoch.
+  /// invalid_argument without device collectives.
+  virtual expected<coll::communicator*> device_communicator(size_t slot, coll::membership part) {
+    (void)slot;
+    (void)part;
     return make_error(errc::invalid_argument, "no device collectives");
   }
 

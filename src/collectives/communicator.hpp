@@ -78,7 +78,8 @@ public:
                                 const op_options& o = {}) = 0;
 
   /// `in` holds sum(counts) elements; member i gets the reduction of block i
-  /// (counts[i] elements, blocks in order) into `out`.
+  /// (counts[i] elements, blocks in order) into `out`. In place: `out` may
+  /// be this member's own block of `in` (no other overlap).
   virtual caf::error reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts,
                                     dtype t, reduce_op op, const op_options& o = {}) = 0;
 

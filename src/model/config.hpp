@@ -71,9 +71,9 @@ struct train_config {
   // path on the CPU, in memory it treats as a device's: for tests where
   // there is no GPU).
   std::string device = "cpu";
-  // On a device, where the gradient is summed over the replica groups:
-  // "device" (NCCL on GPUs; the host backend for "emulated") with one rank
-  // per group and not exact, else on the host; "host": always on the host.
+  // On a device, where the gradient is summed over the ranks: "device"
+  // (NCCL on GPUs; the host backend for "emulated") unless exact, else on
+  // the host; "host": always on the host.
   std::string gradient_collectives = "device";
 };
 

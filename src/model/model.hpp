@@ -156,18 +156,23 @@ public:
   virtual size_t saved_activation_bytes() const { return 0; }
 
   /// A model that computes on a device can keep its gradient there, so that
-  /// the runtime sums it over the replicas with a communicator of that
-  /// device's memory (NCCL on a GPU) instead of on the host. While kept:
+  /// the runtime sums it over the ranks with communicators of that device's
+  /// memory (NCCL on a GPU) instead of on the host. While kept:
   /// forward_backward adds to the device gradient only (gradients() is not
   /// written), zero_gradients() zeroes the device gradient, and
-  /// download_gradients() copies it into gradients(). False when the model
-  /// does not support it.
+  /// download_gradients() copies a range of it into gradients(). False
+  /// when the model does not support it.
   virtual bool keep_gradients_on_device(bool on) { return !on; }
   /// The device gradient (the layout of gradients()), every write to it
-  /// finished; nullptr when the gradient is not kept on a device.
+  /// finished; nullptr when the gradient is not kept on a device. The
+  /// runtime may write it (a sum in place).
   virtual float* device_gradients() { return nullptr; }
-  /// Copies the device gradient into gradients().
-  virtual void download_gradients() {}
+  /// Copies elements [offset, offset + count) of the device gradient into
+  /// the same range of gradients().
+  virtual void download_gradients(size_t offset, size_t count) {
+    (void)offset;
+    (void)count;
+  }
 };
 
 } // namespace cmesh::model

@@ -993,8 +993,12 @@ struct emulated_ops : host_ops<float> {
   }
   template <class U>
   static void download(U* out, const buffer<U>& from, size_t n) {
-    CMESH_CHECK_LE(n, from.size());
-    std::copy_n(from.data(), n, out);
+    download_range(out, from, 0, n);
+  }
+  template <class U>
+  static void download_range(U* out, const buffer<U>& from, size_t offset, size_t n) {
+    CMESH_CHECK_LE(offset + n, from.size());
+    std::copy_n(from.data() + offset, n, out);
   }
   static void synchronize() {}
 };
@@ -1041,7 +1045,10 @@ public:
     Ops::synchronize(); // the network's kernels, before another stream reads it
     return d_grads_.data();
   }
-  void download_gradients() override { Ops::download(grads_.data(), d_grads_, grads_.size()); }
+  void download_gradients(size_t offset, size_t count) override {
+    CMESH_CHECK_LE(offset + count, grads_.size());
+    Ops::download_range(grads_.data() + offset, d_grads_, offset, count);
+  }
   step_stats evaluate(const batch& b) override {
     Ops::upload(d_params_, params_.data(), params_.size());
     return net_.run(d_params_.data(), nullptr, b, 1.0f, nullptr);
@@ -1249,9 +1256,14 @@ public:
   }
   template <class U>
   static void download(U* out, const buffer<U>& from, size_t n) {
-    CMESH_CHECK_LE(n, from.size());
+    download_range(out, from, 0, n);
+  }
+  template <class U>
+  static void download_range(U* out, const buffer<U>& from, size_t offset, size_t n) {
+    CMESH_CHECK_LE(offset + n, from.size());
     if (n)
-      CMESH_CUDA_CHECK(cudaMemcpy(out, from.data(), n * sizeof(U), cudaMemcpyDeviceToHost));
+      CMESH_CUDA_CHECK(
+        cudaMemcpy(out, from.data() + offset, n * sizeof(U), cudaMemcpyDeviceToHost));
   }
   /// Every kernel and copy of this device finished (the NCCL backend runs
   /// on a stream of its own, which the legacy default stream does not order).

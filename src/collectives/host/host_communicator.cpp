@@ -1216,8 +1216,8 @@ caf::error host_comm::reduce_scatter(const void* in, void* out, const std::vecto
   if (n() > 1)
     e = ring_reduce_scatter(static_cast<const uint8_t*>(in), static_cast<uint8_t*>(out), blocks,
                             t, op);
-  else if (own.count > 0) // an empty block may come with null buffers
-    std::memcpy(out, static_cast<const uint8_t*>(in) + own.offset * es, own.count * es);
+  else if (own.count > 0) // an empty block may come with null buffers; in place: no copy
+    std::memmove(out, static_cast<const uint8_t*>(in) + own.offset * es, own.count * es);
   if (!e && op == reduce_op::avg)
     scale_down(out, own.count, t, n());
   if (!e && has_overflow_marker(out, own.count, t, op))

@@ -230,6 +230,21 @@ int run_ops(node& nd, uint64_t seed, bool big) {
           ck.same(differs(got.data(), h2.data(), counts[me], t, op),
                   fmt::format("reduce_scatter {} {} {}", even ? "even" : "uneven",
                               to_string(op), tag));
+          // In place: the output is this member's own block of the input
+          // (the trainer sums a device gradient so).
+          size_t off = 0;
+          for (size_t i = 0; i < me; ++i)
+            off += counts[i];
+          din.put(h.data(), total * es);
+          ck.ok(gpu->reduce_scatter(din.p, din.at(off * es), counts, t, op),
+                fmt::format("nccl reduce_scatter in place {} {}", even ? "even" : "uneven", tag));
+          cuda_or_die(nd,
+                      cudaMemcpy(got.data(), din.at(off * es), counts[me] * es,
+                                 cudaMemcpyDeviceToHost),
+                      "cudaMemcpy to host");
+          ck.same(differs(got.data(), h2.data(), counts[me], t, op),
+                  fmt::format("reduce_scatter in place {} {} {}", even ? "even" : "uneven",
+                              to_string(op), tag));
         }
       }
       // all_gather: equal and uneven blocks
