@@ -159,9 +159,11 @@ public:
   /// the runtime sums it over the ranks with communicators of that device's
   /// memory (NCCL on a GPU) instead of on the host. While kept:
   /// forward_backward adds to the device gradient only (gradients() is not
-  /// written), zero_gradients() zeroes the device gradient, and
-  /// download_gradients() copies a range of it into gradients(). False
-  /// when the model does not support it.
+  /// written), zero_gradients() zeroes the device gradient and takes the
+  /// weights from parameters() for the micro-batches that follow (the
+  /// runtime changes them only before a zero_gradients()), and
+  /// download_gradients() copies a range of the gradient into gradients().
+  /// False when the model does not support it.
   virtual bool keep_gradients_on_device(bool on) { return !on; }
   /// The device gradient (the layout of gradients()), every write to it
   /// finished; nullptr when the gradient is not kept on a device. The

@@ -1008,9 +1008,10 @@ struct emulated_ops : host_ops<float> {
 /// forward_backward uploads the weights, runs on the device and adds to the
 /// device's gradient. It then downloads it, so gradients() holds the sum
 /// since the last zero_gradients() when it returns, unless the gradient is
-/// kept on the device (keep_gradients_on_device): the runtime then sums it
-/// over the replicas there and downloads the sum once. Experts are not
-/// split over ranks and weights are not streamed on a device yet.
+/// kept on the device (keep_gradients_on_device): the weights then go up
+/// once a step (at zero_gradients()), and the runtime sums the gradient
+/// there and downloads its shard of the sum once. Experts are not split
+/// over ranks and weights are not streamed on a device yet.
 template <class Ops>
 class device_model final : public model {
 public:
@@ -1024,12 +1025,15 @@ public:
   std::span<float> parameters() override { return params_.span(); }
   std::span<float> gradients() override { return grads_.span(); }
   void zero_gradients() override {
-    if (!kept_)
+    if (kept_)
+      Ops::upload(d_params_, params_.data(), params_.size()); // once for the step
+    else
       std::fill(grads_.begin(), grads_.end(), 0.0f);
     d_grads_.assign(net_.at().total, 0.0f);
   }
   step_stats forward_backward(const batch& b, float loss_scale) override {
-    Ops::upload(d_params_, params_.data(), params_.size());
+    if (!kept_ || d_params_.size() != params_.size())
+      Ops::upload(d_params_, params_.data(), params_.size());
     auto s = net_.run(d_params_.data(), d_grads_.data(), b, loss_scale, nullptr);
     if (!kept_)
       Ops::download(grads_.data(), d_grads_, grads_.size());

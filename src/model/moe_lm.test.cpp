@@ -811,6 +811,78 @@ TEST_CASE("moe_lm: the device code path (emulated) computes what the CPU model d
   CHECK(d.forward_backward(empty).tokens == 0);
 }
 
+TEST_CASE("moe_lm: a gradient kept on the device (emulated, or a GPU) is the CPU model's") {
+  // keep_gradients_on_device: the weights go up at zero_gradients(), the
+  // gradient stays on the device until the runtime downloads a range of it.
+  // The emulated device gives the CPU's bits; a GPU its products' rounding.
+  auto c = tiny_config(2);
+  const auto [b1, b2] = two_batches(5, 16);
+  auto cpu = make_moe_lm(c);
+  CHECK_FALSE(cpu->keep_gradients_on_device(true)); // a CPU model has no device
+  CHECK(cpu->device_gradients() == nullptr);
+  compute_device where = compute_device::emulated;
+  SUBCASE("emulated") {}
+  SUBCASE("GPU") { where = compute_device::cuda; }
+  auto dev = make_moe_lm_on(c, where);
+  if (!dev) {
+    MESSAGE("skipped: " << cmesh::describe(dev.error()));
+    CHECK(where == compute_device::cuda);
+    return;
+  }
+  auto& d = **dev;
+  // Bits on the emulated device; on a GPU within its rounding (largest
+  // gradient ~0.2, differences ~1e-7).
+  auto same = [&](const float* x, const float* y, size_t len) {
+    if (where == compute_device::emulated)
+      return std::memcmp(x, y, len * sizeof(float)) == 0;
+    for (size_t i = 0; i < len; ++i)
+      if (!(std::abs(x[i] - y[i]) <= 1e-5f))
+        return false;
+    return true;
+  };
+  CHECK(d.device_gradients() == nullptr); // not kept yet
+  REQUIRE(d.keep_gradients_on_device(true));
+  const size_t n = d.gradients().size();
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    cpu->zero_gradients();
+    d.zero_gradients();
+    cpu->forward_backward(b1);
+    cpu->forward_backward(b2, 2.0f);
+    d.forward_backward(b1);
+    d.forward_backward(b2, 2.0f);
+    std::fill(d.gradients().begin(), d.gradients().end(), -1.0f);
+    REQUIRE(d.device_gradients() != nullptr);
+    // A range first: only it comes down.
+    const size_t a = n / 3, len = n / 4;
+    d.download_gradients(a, len);
+    auto g = cpu->gradients(), h = d.gradients();
+    CHECK(same(g.data() + a, h.data() + a, len));
+    CHECK(h[a - 1] == -1.0f);
+    CHECK(h[a + len] == -1.0f);
+    d.download_gradients(0, n);
+    CHECK(same(g.data(), h.data(), n));
+    // New weights before the next zero_gradients() reach the device.
+    for (size_t i = 0; i < n; ++i) {
+      cpu->parameters()[i] -= 0.01f * g[i];
+      d.parameters()[i] -= 0.01f * g[i];
+    }
+  }
+  // The runtime may sum in place on the device; a kept gradient is not
+  // written to gradients() by forward_backward.
+  d.zero_gradients();
+  std::fill(d.gradients().begin(), d.gradients().end(), 7.0f);
+  d.forward_backward(b1);
+  CHECK(d.gradients()[0] == 7.0f);
+  REQUIRE(d.keep_gradients_on_device(false));
+  CHECK(d.device_gradients() == nullptr);
+  d.zero_gradients();
+  d.forward_backward(b1);
+  cpu->zero_gradients();
+  cpu->forward_backward(b1);
+  CHECK(same(cpu->gradients().data(), d.gradients().data(), n));
+}
+
 TEST_CASE("moe_lm: on a GPU the model computes what the CPU model does") {
   auto c = tiny_config(2);
   // bf16: a product that lands on the other side of a rounding boundary on

@@ -1,0 +1,101 @@
+// Long chaos soaks (registered with CTest only under -DCMESH_SOAK=ON): many
+// seeded SIGKILLs over long runs, in every layout the suite's short runs
+// cover once. Exact mode must end bit-identical to the run without kills;
+// the device path (not exact) must end with one set of weights.
+//
+// Scale: CMESH_SOAK_ROUNDS (seeds per case, default 3), CMESH_SOAK_STEPS
+// (steps per run, default 300), CMESH_SOAK_KILLS (kills per run, default 8).
+// Each round prints its seed; CMESH_SEED=N replays the first round's.
+#include "node_harness.hpp"
+
+#include <regex>
+#include <set>
+
+using namespace cmesh;
+using namespace cmesh::testing;
+using namespace std::chrono_literals;
+
+namespace {
+
+uint64_t env_or(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::strtoull(v, nullptr, 10) : fallback;
+}
+
+struct soak_params {
+  uint64_t rounds = env_or("CMESH_SOAK_ROUNDS", 3);
+  uint64_t steps = env_or("CMESH_SOAK_STEPS", 300);
+  uint64_t kills = env_or("CMESH_SOAK_KILLS", 8);
+};
+
+/// The final weights of every rank that finished (all at `steps`).
+std::vector<std::string> final_weights(const std::string& out, uint64_t steps) {
+  std::vector<std::string> w;
+  std::regex re("done \\(steps=([0-9]+) .*weights=([0-9a-f]{16})\\)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+       ++it) {
+    CHECK((*it)[1].str() == std::to_string(steps));
+    w.push_back((*it)[2].str());
+  }
+  return w;
+}
+
+size_t kills_in(const std::string& out) {
+  return captures(out, "(chaos: SIGKILL)").size();
+}
+
+run_result soak_run(const std::string& args, uint64_t seed, const soak_params& p) {
+  auto r = run_cmesh("launch --steps " + std::to_string(p.steps) + " --log-every 100 "
+                       + "--restart-delay-ms 100 --max-restarts 100 --chaos-first-step 5 "
+                       + "--chaos-kills " + std::to_string(p.kills) + " --chaos-seed "
+                       + std::to_string(seed) + " " + args,
+                     {}, 1800s);
+  MESSAGE(args << " seed " << seed << ": exit " << r.exit_code << ", " << kills_in(r.output)
+                << " kills, " << r.took.count() / 1000.0 << " s");
+  return r;
+}
+
+} // namespace
+
+TEST_CASE("soak: exact mode, seeded kills in every layout, weights bit-identical") {
+  const soak_params p;
+  auto ref = run_cmesh("launch --exact -n 1 --steps " + std::to_string(p.steps)
+                         + " --log-every 100",
+                       {}, 1800s);
+  REQUIRE(ref.exit_code == 0);
+  auto rw = final_weights(ref.output, p.steps);
+  REQUIRE(rw.size() == 1);
+  uint64_t seed = test_seed();
+  for (uint64_t round = 0; round < p.rounds; ++round, seed = seed * 6364136223846793005ULL + 1) {
+    for (const std::string layout : {"-n 3", "-n 4 --replicas 2", "-n 4"}) {
+      CAPTURE(layout);
+      CAPTURE(seed);
+      auto r = soak_run("--exact " + layout, seed, p);
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      CHECK(kills_in(r.output) >= 1);
+      auto ws = final_weights(r.output, p.steps);
+      CHECK(!ws.empty());
+      for (auto& w : ws)
+        CHECK(w == rw[0]);
+    }
+  }
+}
+
+TEST_CASE("soak: the device path (emulated), seeded kills, one set of weights") {
+  const soak_params p;
+  uint64_t seed = test_seed() ^ 0x5eed;
+  for (uint64_t round = 0; round < p.rounds; ++round, seed = seed * 6364136223846793005ULL + 1) {
+    for (const std::string layout : {"-n 3", "-n 4 --replicas 2"}) {
+      CAPTURE(layout);
+      CAPTURE(seed);
+      auto r = soak_run("--device emulated " + layout, seed, p);
+      INFO(r.output);
+      REQUIRE(r.exit_code == 0);
+      CHECK(r.output.find("gradients summed on the device") != std::string::npos);
+      auto ws = final_weights(r.output, p.steps);
+      CHECK(!ws.empty());
+      CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
+    }
+  }
+}
