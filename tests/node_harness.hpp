@@ -137,6 +137,19 @@ inline std::vector<std::string> captures(const std::string& text, const std::str
   return out;
 }
 
+/// The final weights each rank of a `cmesh launch` job reported in its
+/// "done" line, in the order of their lines; each must have reached `steps`.
+inline std::vector<std::string> done_weights(const std::string& out, uint64_t steps) {
+  std::vector<std::string> w;
+  std::regex re("done \\(steps=([0-9]+) .*weights=([0-9a-f]{16})\\)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+       ++it) {
+    CHECK((*it)[1].str() == std::to_string(steps));
+    w.push_back((*it)[2].str());
+  }
+  return w;
+}
+
 inline uint64_t test_seed() {
   uint64_t s = std::random_device{}();
   if (const char* v = std::getenv("CMESH_SEED"))

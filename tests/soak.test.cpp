@@ -28,18 +28,6 @@ struct soak_params {
   uint64_t kills = env_or("CMESH_SOAK_KILLS", 8);
 };
 
-/// The final weights of every rank that finished (all at `steps`).
-std::vector<std::string> final_weights(const std::string& out, uint64_t steps) {
-  std::vector<std::string> w;
-  std::regex re("done \\(steps=([0-9]+) .*weights=([0-9a-f]{16})\\)");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
-       ++it) {
-    CHECK((*it)[1].str() == std::to_string(steps));
-    w.push_back((*it)[2].str());
-  }
-  return w;
-}
-
 size_t kills_in(const std::string& out) {
   return captures(out, "(chaos: SIGKILL)").size();
 }
@@ -63,7 +51,7 @@ TEST_CASE("soak: exact mode, seeded kills in every layout, weights bit-identical
                          + " --log-every 100",
                        {}, 1800s);
   REQUIRE(ref.exit_code == 0);
-  auto rw = final_weights(ref.output, p.steps);
+  auto rw = done_weights(ref.output, p.steps);
   REQUIRE(rw.size() == 1);
   uint64_t seed = test_seed();
   for (uint64_t round = 0; round < p.rounds; ++round, seed = seed * 6364136223846793005ULL + 1) {
@@ -74,7 +62,7 @@ TEST_CASE("soak: exact mode, seeded kills in every layout, weights bit-identical
       INFO(r.output);
       REQUIRE(r.exit_code == 0);
       CHECK(kills_in(r.output) >= 1);
-      auto ws = final_weights(r.output, p.steps);
+      auto ws = done_weights(r.output, p.steps);
       CHECK(!ws.empty());
       for (auto& w : ws)
         CHECK(w == rw[0]);
@@ -93,7 +81,7 @@ TEST_CASE("soak: the device path (emulated), seeded kills, one set of weights") 
       INFO(r.output);
       REQUIRE(r.exit_code == 0);
       CHECK(r.output.find("gradients summed on the device") != std::string::npos);
-      auto ws = final_weights(r.output, p.steps);
+      auto ws = done_weights(r.output, p.steps);
       CHECK(!ws.empty());
       CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
     }

@@ -60,14 +60,7 @@ int find_event(const std::vector<event>& ev, size_t from, const std::string& nam
 }
 
 std::vector<std::string> weights_of(const std::string& out) {
-  std::vector<std::string> w;
-  std::regex re("done \\(steps=([0-9]+) .*weights=([0-9a-f]{16})\\)");
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
-       ++it) {
-    CHECK((*it)[1].str() == std::to_string(steps));
-    w.push_back((*it)[2].str());
-  }
-  return w;
+  return done_weights(out, steps);
 }
 
 struct job {
