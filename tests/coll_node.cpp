@@ -180,6 +180,12 @@ void check_ops(node& nd, communicator& comm, checker& ck, uint64_t seed, size_t 
         ck.expect_ok(comm.all_gather(counts[me] ? mine.data() : nullptr, buf.data(), counts, t),
                      "all_gather " + tag);
         ck.expect(buf == all, "all_gather differs " + tag);
+        // In place: the input is this member's own block of the output.
+        std::fill(buf.begin(), buf.end(), 0xee);
+        std::memcpy(buf.data() + off * es, mine.data(), counts[me] * es);
+        ck.expect_ok(comm.all_gather(buf.data() + off * es, buf.data(), counts, t),
+                     "all_gather in place " + tag);
+        ck.expect(buf == all, "all_gather in place differs " + tag);
       }
       // broadcast from each root (two roots for the big one)
       for (size_t root = 0; root < n; ++root) {

@@ -488,6 +488,22 @@ expected<train_result> trainer::run() {
     // rounded, and gathered as bf16).
     if (I.full) {
       // Gathered unit by unit inside the model (weight_stream).
+    } else if (I.on_device) {
+      // This rank's shard goes up (bf16: the master rounded); the group's
+      // gather runs on the device, in place (in fp32).
+      if (I.bf16) {
+        I.wire16.resize(master.size());
+        kernels::cpu::float_to_bf16(master.data(), I.wire16.data(), master.size());
+        kernels::cpu::bf16_to_float(I.wire16.data(), my_params.data(), my_params.size());
+      }
+      const size_t at = I.shards.offsets[I.position];
+      net.upload_parameters(at, my_params.size());
+      if (I.dev_group) {
+        float* w = net.device_parameters();
+        I.collective(latched, [&] {
+          return I.dev_group->all_gather(w + at, w, I.shards.counts, coll::dtype::float32);
+        });
+      }
     } else if (I.bf16) {
       I.wire16.resize(params.size());
       auto* mine16 = I.wire16.data() + I.shards.offsets[I.position];

@@ -44,13 +44,14 @@
 // the commit vote) is skipped by every rank and backs the scale off.
 // Activations follow model.activations (see model/moe_lm.hpp).
 // On a device (train.device = "cuda") with a supervision that has device
-// collectives: the model keeps its gradient in device memory and the
-// step's sums run there (NCCL; in fp32, in bf16 runs too): the
-// reduce_scatter over the group, in place, then the all_reduce of the
-// shard over its holders (S = 1: the all_reduce of the whole gradient), and
-// only this rank's shard of the sum is downloaded; the weights' gather,
-// clipping, the vote and AdamW stay on the host. Exact mode and
-// train.gradient_collectives = "host" sum on the host as on the CPU.
+// collectives: the model keeps its weights and gradient in device memory
+// and the step's bulk collectives run there (NCCL; in fp32, in bf16 runs
+// too): this rank's shard of the weights is uploaded and gathered over the
+// group in place; the gradient is reduce_scattered over the group in
+// place, then the shard all_reduced over its holders (S = 1: the whole
+// gradient all_reduced), and only this rank's shard of the sum is
+// downloaded. Clipping, the vote and AdamW stay on the host. Exact mode and
+// train.gradient_collectives = "host" run as on the CPU.
 // Experts (S > 1, not exact mode): for each micro-batch and layer the
 // group places the experts on its ranks from the rows every rank routed
 // (train.expert_placement: "balanced" runs the placement solver, with

@@ -84,7 +84,8 @@ public:
                                     dtype t, reduce_op op, const op_options& o = {}) = 0;
 
   /// Member i contributes counts[i] elements from `in`; `out` receives all
-  /// blocks in member order (sum(counts) elements).
+  /// blocks in member order (sum(counts) elements). In place: `in` may be
+  /// this member's own block of `out` (no other overlap).
   virtual caf::error all_gather(const void* in, void* out, const std::vector<size_t>& counts,
                                 dtype t, const op_options& o = {}) = 0;
 

@@ -155,15 +155,17 @@ public:
   /// the last step (0 when the model does not say).
   virtual size_t saved_activation_bytes() const { return 0; }
 
-  /// A model that computes on a device can keep its gradient there, so that
-  /// the runtime sums it over the ranks with communicators of that device's
-  /// memory (NCCL on a GPU) instead of on the host. While kept:
-  /// forward_backward adds to the device gradient only (gradients() is not
-  /// written), zero_gradients() zeroes the device gradient and takes the
-  /// weights from parameters() for the micro-batches that follow (the
-  /// runtime changes them only before a zero_gradients()), and
+  /// A model that computes on a device can keep its gradient and weights
+  /// there, so that the runtime gathers the weights and sums the gradient
+  /// with communicators of that device's memory (NCCL on a GPU) instead of
+  /// on the host. While kept: forward_backward reads the device's weights
+  /// (device_parameters(), which the runtime fills: upload_parameters()
+  /// copies a range of parameters() there, and a gather may write the rest
+  /// in place) and adds to the device gradient only (gradients() is not
+  /// written); zero_gradients() zeroes the device gradient; and
   /// download_gradients() copies a range of the gradient into gradients().
-  /// False when the model does not support it.
+  /// evaluate() always reads parameters(). False when the model does not
+  /// support it.
   virtual bool keep_gradients_on_device(bool on) { return !on; }
   /// The device gradient (the layout of gradients()), every write to it
   /// finished; nullptr when the gradient is not kept on a device. The
@@ -172,6 +174,15 @@ public:
   /// Copies elements [offset, offset + count) of the device gradient into
   /// the same range of gradients().
   virtual void download_gradients(size_t offset, size_t count) {
+    (void)offset;
+    (void)count;
+  }
+  /// The device's weights (the layout of parameters()), every write to
+  /// them finished; nullptr when not kept on a device.
+  virtual float* device_parameters() { return nullptr; }
+  /// Copies elements [offset, offset + count) of parameters() into the same
+  /// range of the device's weights.
+  virtual void upload_parameters(size_t offset, size_t count) {
     (void)offset;
     (void)count;
   }

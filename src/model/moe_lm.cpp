@@ -991,6 +991,12 @@ struct emulated_ops : host_ops<float> {
     out.resize(n);
     std::copy_n(from, n, out.data());
   }
+  /// Into [offset, offset + n) of a buffer already that long or longer.
+  template <class U>
+  static void upload_range(buffer<U>& out, size_t offset, const U* from, size_t n) {
+    CMESH_CHECK_LE(offset + n, out.size());
+    std::copy_n(from, n, out.data() + offset);
+  }
   template <class U>
   static void download(U* out, const buffer<U>& from, size_t n) {
     download_range(out, from, 0, n);
@@ -1008,10 +1014,11 @@ struct emulated_ops : host_ops<float> {
 /// forward_backward uploads the weights, runs on the device and adds to the
 /// device's gradient. It then downloads it, so gradients() holds the sum
 /// since the last zero_gradients() when it returns, unless the gradient is
-/// kept on the device (keep_gradients_on_device): the weights then go up
-/// once a step (at zero_gradients()), and the runtime sums the gradient
-/// there and downloads its shard of the sum once. Experts are not split
-/// over ranks and weights are not streamed on a device yet.
+/// kept on the device (keep_gradients_on_device): the runtime then puts the
+/// weights there itself (its shard uploaded, the rest gathered on the
+/// device), sums the gradient there and downloads its shard of the sum.
+/// Experts are not split over ranks and weights are not streamed on a
+/// device yet.
 template <class Ops>
 class device_model final : public model {
 public:
@@ -1025,14 +1032,12 @@ public:
   std::span<float> parameters() override { return params_.span(); }
   std::span<float> gradients() override { return grads_.span(); }
   void zero_gradients() override {
-    if (kept_)
-      Ops::upload(d_params_, params_.data(), params_.size()); // once for the step
-    else
+    if (!kept_)
       std::fill(grads_.begin(), grads_.end(), 0.0f);
     d_grads_.assign(net_.at().total, 0.0f);
   }
   step_stats forward_backward(const batch& b, float loss_scale) override {
-    if (!kept_ || d_params_.size() != params_.size())
+    if (!kept_)
       Ops::upload(d_params_, params_.data(), params_.size());
     auto s = net_.run(d_params_.data(), d_grads_.data(), b, loss_scale, nullptr);
     if (!kept_)
@@ -1040,8 +1045,21 @@ public:
     return s;
   }
   bool keep_gradients_on_device(bool on) override {
+    if (on && !kept_) // the device's weights start as parameters()
+      Ops::upload(d_params_, params_.data(), params_.size());
     kept_ = on;
     return true;
+  }
+  float* device_parameters() override {
+    if (!kept_)
+      return nullptr;
+    Ops::synchronize();
+    return d_params_.data();
+  }
+  void upload_parameters(size_t offset, size_t count) override {
+    CMESH_CHECK(kept_);
+    CMESH_CHECK_LE(offset + count, params_.size());
+    Ops::upload_range(d_params_, offset, params_.data() + offset, count);
   }
   float* device_gradients() override {
     if (!kept_)
@@ -1053,6 +1071,8 @@ public:
     CMESH_CHECK_LE(offset + count, grads_.size());
     Ops::download_range(grads_.data() + offset, d_grads_, offset, count);
   }
+  // Kept on the device, the runtime puts the weights there again before
+  // its next micro-batches (as every step does).
   step_stats evaluate(const batch& b) override {
     Ops::upload(d_params_, params_.data(), params_.size());
     return net_.run(d_params_.data(), nullptr, b, 1.0f, nullptr);
@@ -1257,6 +1277,14 @@ public:
     out.resize(n);
     if (n)
       CMESH_CUDA_CHECK(cudaMemcpy(out.data(), from, n * sizeof(U), cudaMemcpyHostToDevice));
+  }
+  /// Into [offset, offset + n) of a buffer already that long or longer.
+  template <class U>
+  static void upload_range(buffer<U>& out, size_t offset, const U* from, size_t n) {
+    CMESH_CHECK_LE(offset + n, out.size());
+    if (n)
+      CMESH_CUDA_CHECK(
+        cudaMemcpy(out.data() + offset, from, n * sizeof(U), cudaMemcpyHostToDevice));
   }
   template <class U>
   static void download(U* out, const buffer<U>& from, size_t n) {

@@ -812,8 +812,9 @@ TEST_CASE("moe_lm: the device code path (emulated) computes what the CPU model d
 }
 
 TEST_CASE("moe_lm: a gradient kept on the device (emulated, or a GPU) is the CPU model's") {
-  // keep_gradients_on_device: the weights go up at zero_gradients(), the
-  // gradient stays on the device until the runtime downloads a range of it.
+  // keep_gradients_on_device: the runtime uploads the weights by range (a
+  // gather may write the rest), the gradient stays on the device until it
+  // downloads a range of it.
   // The emulated device gives the CPU's bits; a GPU its products' rounding.
   auto c = tiny_config(2);
   const auto [b1, b2] = two_batches(5, 16);
@@ -841,7 +842,9 @@ TEST_CASE("moe_lm: a gradient kept on the device (emulated, or a GPU) is the CPU
     return true;
   };
   CHECK(d.device_gradients() == nullptr); // not kept yet
-  REQUIRE(d.keep_gradients_on_device(true));
+  CHECK(d.device_parameters() == nullptr);
+  REQUIRE(d.keep_gradients_on_device(true)); // the weights go up once here
+  CHECK(d.device_parameters() != nullptr);
   const size_t n = d.gradients().size();
   for (int round = 0; round < 2; ++round) {
     CAPTURE(round);
@@ -862,11 +865,14 @@ TEST_CASE("moe_lm: a gradient kept on the device (emulated, or a GPU) is the CPU
     CHECK(h[a + len] == -1.0f);
     d.download_gradients(0, n);
     CHECK(same(g.data(), h.data(), n));
-    // New weights before the next zero_gradients() reach the device.
+    // New weights reach the device as the runtime uploads them, in two
+    // ranges here.
     for (size_t i = 0; i < n; ++i) {
       cpu->parameters()[i] -= 0.01f * g[i];
       d.parameters()[i] -= 0.01f * g[i];
     }
+    d.upload_parameters(0, a);
+    d.upload_parameters(a, n - a);
   }
   // The runtime may sum in place on the device; a kept gradient is not
   // written to gradients() by forward_backward.

@@ -262,6 +262,21 @@ int run_ops(node& nd, uint64_t seed, bool big) {
         ck.ok(host->all_gather(h.data(), h2.data(), counts, t), "host all_gather " + tag);
         ck.same(differs(got.data(), h2.data(), total, t, reduce_op::sum),
                 fmt::format("all_gather {} {}", even ? "even" : "uneven", tag));
+        // In place: the input is this member's own block of the output (the
+        // trainer gathers a device's weights so).
+        size_t off = 0;
+        for (size_t i = 0; i < me; ++i)
+          off += counts[i];
+        cuda_or_die(nd, cudaMemset(dout.p, 0xee, total * es), "cudaMemset");
+        cuda_or_die(nd,
+                    cudaMemcpy(dout.at(off * es), h.data(), counts[me] * es,
+                               cudaMemcpyHostToDevice),
+                    "cudaMemcpy to device");
+        ck.ok(gpu->all_gather(dout.at(off * es), dout.p, counts, t),
+              "nccl all_gather in place " + tag);
+        dout.take(got.data(), total * es);
+        ck.same(differs(got.data(), h2.data(), total, t, reduce_op::sum),
+                fmt::format("all_gather in place {} {}", even ? "even" : "uneven", tag));
       }
       // broadcast from every root
       for (size_t root = 0; root < n; ++root) {
