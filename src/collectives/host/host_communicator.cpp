@@ -474,20 +474,27 @@ private:
 };
 
 struct ep_arg {
-  host_comm* comm;
+  std::atomic<host_comm*> comm; // null once its communicator closed
   size_t peer;
 };
 
 void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* a = static_cast<ep_arg*>(arg);
-  if (a->comm != nullptr) // null once its communicator closed
-    a->comm->note_ep_error(a->peer, status);
+  if (auto* c = a->comm.load(std::memory_order_acquire))
+    c->note_ep_error(a->peer, status);
 }
 
 // Endpoint callback arguments live as long as the process might call them.
-std::vector<std::unique_ptr<ep_arg>>& ep_args() {
-  static std::vector<std::unique_ptr<ep_arg>> v;
-  return v;
+// Communicators are built and closed on several threads at once (the
+// trainer's epoch, a catch-up source's and a joiner's sessions): the list
+// has a lock of its own.
+struct ep_arg_list {
+  std::mutex mu;
+  std::vector<std::unique_ptr<ep_arg>> args;
+};
+ep_arg_list& ep_args() {
+  static ep_arg_list l;
+  return l;
 }
 
 caf::error host_comm::connect(const std::vector<std::string>& addresses) {
@@ -500,10 +507,16 @@ caf::error host_comm::connect(const std::vector<std::string>& addresses) {
                     | UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.address = reinterpret_cast<const ucp_address_t*>(addresses[i].data());
     ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    auto arg = std::make_unique<ep_arg>(ep_arg{this, i});
+    auto arg = std::make_unique<ep_arg>();
+    arg->comm.store(this, std::memory_order_release);
+    arg->peer = i;
     ep.err_handler.cb = on_ep_error;
     ep.err_handler.arg = arg.get();
-    ep_args().push_back(std::move(arg));
+    {
+      auto& l = ep_args();
+      std::lock_guard lk(l.mu);
+      l.args.push_back(std::move(arg));
+    }
     UCS_CHECK(ucp_ep_create(worker(), &ep, &eps_[i]));
   }
   shm_untried_ =
@@ -609,9 +622,11 @@ void host_comm::close() {
     ucp_request_free(r);
   closing_.clear();
   // Forget the callbacks' target: a late endpoint error must not touch us.
-  for (auto& a : ep_args())
-    if (a && a->comm == this)
-      a->comm = nullptr;
+  auto& l = ep_args();
+  std::lock_guard lk(l.mu);
+  for (auto& a : l.args)
+    if (a && a->comm.load(std::memory_order_relaxed) == this)
+      a->comm.store(nullptr, std::memory_order_release);
 }
 
 // -- requests ----------------------------------------------------------------------
