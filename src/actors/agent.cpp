@@ -945,6 +945,10 @@ expected<coll::communicator*> agent::device_communicator(size_t slot, coll::memb
   CMESH_CHECK_LT(slot, I.devs.size());
   if (I.o.device_collectives == kind::none)
     return make_error(errc::invalid_argument, "this worker has no device collectives");
+  const size_t members = part.size();
+  if (part.index_of(I.o.rank) == members)
+    return make_error(errc::invalid_argument,
+                      fmt::format("rank {} is not in the part it asked for", I.o.rank));
   coll::communicator* world = nullptr;
   uint64_t epoch = 0;
   std::shared_ptr<coll::host_context> ctx;
@@ -974,10 +978,6 @@ expected<coll::communicator*> agent::device_communicator(size_t slot, coll::memb
   const int64_t t0 = mono_ns();
   expected<std::unique_ptr<coll::communicator>> made =
     make_error(errc::invalid_argument, "no device collectives in this build");
-  const size_t members = part.size();
-  if (part.index_of(I.o.rank) == part.size())
-    return make_error(errc::invalid_argument,
-                      fmt::format("rank {} is not in the part it asked for", I.o.rank));
   if (I.o.device_collectives == kind::host) {
     made = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
                                            I.o.host);
