@@ -131,6 +131,14 @@ checks() {
     --restart-delay-ms 200 --chaos kill@10:1 --events "$OUT/kill_events.jsonl"
   step train_cuda_big 90 "$BINS/cmesh" launch -n 1 --device cuda --config "$OUT/big.toml" --steps 30
   step train_cpu_big 90 "$BINS/cmesh" launch -n 1 --config "$OUT/big.toml" --steps 3
+  # bf16 on the GPU: tensor-core products (model.products "auto") against
+  # the same run multiplying in fp32.
+  { cat "$OUT/big.toml"; printf 'precision = "bf16"\n'; } >"$OUT/big_bf16.toml"
+  sed 's/^\[model\]$/[model]\nproducts = "fp32"/' "$OUT/big_bf16.toml" >"$OUT/big_bf16_fp32.toml"
+  step train_cuda_big_bf16 90 "$BINS/cmesh" launch -n 1 --device cuda --config "$OUT/big_bf16.toml" \
+    --steps 30
+  step train_cuda_big_bf16_fp32 90 "$BINS/cmesh" launch -n 1 --device cuda \
+    --config "$OUT/big_bf16_fp32.toml" --steps 30
 }
 
 # Every NCCL library on this machine: path, version, and whether it has
@@ -248,9 +256,9 @@ fi
     "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*MESSAGE: //' | grep -v "^seed"
   grep -h "the loaded NCCL" "${gpu_logs[@]}" 2>/dev/null | sed 's/^.*\] //' | sort -u
   for t in train_cuda1 train_cuda train_cpu train_cuda_hostsum train_cuda_kill train_cuda_big \
-           train_cpu_big; do
+           train_cpu_big train_cuda_big_bf16 train_cuda_big_bf16_fp32; do
     echo "---- $t"
-    grep -hE "^step|summary|committed step|lost|device communicator|summed on the device" \
+    grep -hE "^step|summary|cmesh: training|committed step|lost|device communicator|summed on the device" \
       "$OUT/$t.log" 2>/dev/null | sed 's/^\[[^]]*\] \[info\] //'
   done
   echo "---- failures"

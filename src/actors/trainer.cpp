@@ -492,9 +492,8 @@ expected<train_result> trainer::run() {
       // This rank's shard goes up (bf16: the master rounded); the group's
       // gather runs on the device, in place (in fp32).
       if (I.bf16) {
-        I.wire16.resize(master.size());
-        kernels::cpu::float_to_bf16(master.data(), I.wire16.data(), master.size());
-        kernels::cpu::bf16_to_float(I.wire16.data(), my_params.data(), my_params.size());
+        std::copy(master.begin(), master.end(), my_params.begin());
+        kernels::cpu::round_to_bf16(my_params.data(), my_params.size());
       }
       const size_t at = I.shards.offsets[I.position];
       net.upload_parameters(at, my_params.size());

@@ -144,10 +144,13 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   opts.ranks_per_group = size / replicas;
   if (rank == 0)
     fmt::print("cmesh: training {} on {} replica group(s) x {} rank(s), {} ({} steps, global "
-               "batch {}, {}{}{})\n",
+               "batch {}, {}{}{}{})\n",
                "the built-in MoE model", replicas, size / replicas, (*data)->origin(), config.train.steps,
                config.train.global_batch, config.train.precision,
                config.model.activations == "bf16" ? ", bf16 activations" : "",
+               model::bf16_products(config.model, config.train.device != "cpu")
+                 ? ", bf16 products"
+                 : "",
                config.train.exact ? ", exact" : "");
   size_t every = config.train.log_every, total = config.train.steps;
   auto step_ms_total = std::make_shared<double>(0.0); // read once the trainer is done

@@ -8,6 +8,19 @@
 #include <cstdint>
 #include <vector>
 
+namespace cmesh::kernels {
+
+/// How a product takes its fp32 operands (model.products).
+/// - fp32: as they are, products and sums in fp32.
+/// - bf16_inputs: each operand rounded to bf16 (to nearest, ties to even),
+///   the products accumulated in fp32: what tensor cores do with bf16
+///   inputs (cuBLAS's CUBLAS_COMPUTE_32F_FAST_16BF on a GPU). Operands that
+///   already hold bf16 values (bf16 weights and activations) go through
+///   unchanged; what it rounds is the gradients flowing back.
+enum class gemm_math { fp32, bf16_inputs };
+
+} // namespace cmesh::kernels
+
 namespace cmesh::kernels::cpu {
 
 /// Threads OpenBLAS may use (default 1). A product's rounding depends on how
@@ -27,6 +40,14 @@ void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t 
 void gemm(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k, double alpha,
           const double* a, std::size_t lda, const double* b, std::size_t ldb, double beta,
           double* c, std::size_t ldc);
+
+/// gemm() of the operands rounded to bf16 (gemm_math::bf16_inputs): the
+/// used part of each operand is rounded into scratch of this thread's and
+/// multiplied there, so the result is gemm() of the rounded operands, bit
+/// for bit. a and b are left as they are.
+void gemm_bf16_inputs(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k,
+                      float alpha, const float* a, std::size_t lda, const float* b,
+                      std::size_t ldb, float beta, float* c, std::size_t ldc);
 
 /// What the float gemm() has done in this process since it started: the
 /// products handed to OpenBLAS, their flops (2 m n k each) and the wall time

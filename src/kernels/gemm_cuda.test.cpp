@@ -2,6 +2,7 @@
 #include "kernels/cuda/ops.hpp"
 #include "kernels/cuda/test_support.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/precision.hpp"
 
 #include <doctest/doctest.h>
 
@@ -94,6 +95,64 @@ TEST_CASE("cuda gemm: every transpose combination matches the cpu oracle") {
               }
             CHECK(count_outside(got, want, tol, "gemm") == 0);
           }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda gemm with bf16 inputs: the cpu's bf16-input product, up to the sums' order") {
+  CMESH_CUDA_TEST_REQUIRE_DEVICE();
+  // Operands that hold bf16 values lose nothing to the rounding: the bound
+  // is the fp32 sums'. Others may be rounded another way by the library:
+  // one bf16 step (2^-8 relative) per operand on top.
+  const shape shapes[] = {{3, 5, 7}, {17, 31, 13}, {64, 64, 64}, {127, 65, 257}, {200, 1, 99}};
+  gpu::cublas_handle handle;
+  stream s;
+  auto rng = rng_for(4);
+  const float eps = std::numeric_limits<float>::epsilon();
+  for (const bool bf16_values : {true, false}) {
+    for (const shape sh : shapes) {
+      for (const bool ta : {false, true}) {
+        for (const bool tb : {false, true}) {
+          const std::size_t m = sh.m, n = sh.n, k = sh.k, pad = 2;
+          CAPTURE(bf16_values);
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(k);
+          CAPTURE(ta);
+          CAPTURE(tb);
+          const std::size_t rows_a = ta ? k : m, lda = (ta ? m : k) + pad;
+          const std::size_t rows_b = tb ? n : k, ldb = (tb ? k : n) + pad;
+          const std::size_t ldc = n + pad;
+          auto a = uniform(rows_a * lda, rng, -1.0f, 1.0f);
+          auto b = uniform(rows_b * ldb, rng, -1.0f, 1.0f);
+          if (bf16_values) {
+            cpu::round_to_bf16(a.data(), a.size());
+            cpu::round_to_bf16(b.data(), b.size());
+          }
+          const auto c0 = uniform(m * ldc, rng, -1.0f, 1.0f);
+          device_vector<float> da(a), db(b), dc(c0);
+          gpu::gemm(handle, ta, tb, m, n, k, 0.5f, da.get(), lda, db.get(), ldb, 1.0f, dc.get(),
+                    ldc, s, cmesh::kernels::gemm_math::bf16_inputs);
+          s.sync();
+          const auto got = dc.download();
+          auto want = c0;
+          cpu::gemm_bf16_inputs(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 1.0f,
+                                want.data(), ldc);
+          const auto abs_a = abs_of(a), abs_b = abs_of(b);
+          std::vector<float> scale(m * ldc, 0.0f);
+          cpu::gemm(ta, tb, m, n, k, 0.5f, abs_a.data(), lda, abs_b.data(), ldb, 0.0f,
+                    scale.data(), ldc);
+          const double rounding = bf16_values ? 0.0 : 2.0 * std::ldexp(1.0, -8);
+          std::vector<double> tol(m * ldc, 0.0);
+          for (std::size_t r = 0; r < m; ++r)
+            for (std::size_t j = 0; j < n; ++j) {
+              const std::size_t e = r * ldc + j;
+              tol[e] = (4.0 * static_cast<double>(k + 2) * eps + rounding) *
+                         (scale[e] + std::fabs(c0[e])) + 1e-30;
+            }
+          CHECK(count_outside(got, want, tol, "gemm bf16 inputs") == 0);
         }
       }
     }

@@ -77,6 +77,9 @@ std::map<std::string, std::map<std::string, setter>> schema() {
     double_key([](run_config& c) -> double& { return c.model.aux_loss_weight; }, 0, 1e6);
   m["activations"] =
     choice_key([](run_config& c) -> std::string& { return c.model.activations; }, "fp32", "bf16");
+  m["products"] =
+    choice_key([](run_config& c) -> std::string& { return c.model.products; }, "auto", "fp32",
+               "bf16");
   m["init_seed"] = [](const toml::node& n, run_config& c) {
     size_t v = 0;
     auto e = read_size(n, v, 0);
@@ -200,6 +203,8 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
     return bad("exact mode needs train.precision = \"fp32\"");
   if (t.exact && m.activations != "fp32")
     return bad("exact mode needs model.activations = \"fp32\"");
+  if (t.exact && m.products == "bf16")
+    return bad("exact mode needs model.products = \"fp32\" (or \"auto\")");
   if (t.device != "cpu" && t.sharding == "full")
     return bad("train.sharding = \"full\" is not supported with device \"" + t.device
                + "\" yet");

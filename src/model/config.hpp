@@ -27,7 +27,19 @@ struct moe_config {
   // accumulate in fp32, the router, the loss and all gradients stay fp32).
   // In a config file it follows train.precision unless given.
   std::string activations = "fp32";
+  // How matrix products take their operands: "fp32"; "bf16" (each operand
+  // rounded to bf16, sums in fp32: tensor cores on a GPU, the same rounding
+  // on the CPU; see kernels::gemm_math); or "auto": bf16 on a device (a GPU,
+  // or the emulated one) when the activations are bf16, fp32 otherwise (on
+  // the CPU the rounding only costs: OpenBLAS multiplies in fp32 anyway).
+  std::string products = "auto";
 };
+
+/// Whether the products round their operands to bf16 (model.products),
+/// on a device or on the CPU.
+inline bool bf16_products(const moe_config& c, bool on_device) {
+  return c.products == "bf16" || (c.products == "auto" && on_device && c.activations == "bf16");
+}
 
 struct train_config {
   size_t steps = 300;

@@ -49,6 +49,18 @@ file = "x.txt"
   REQUIRE(narrow);
   CHECK(narrow->model.activations == "bf16");
   CHECK(narrow->train.precision == "fp32");
+  // Products: bf16 on a device with bf16 activations, unless given.
+  CHECK(full->model.products == "auto");
+  CHECK(bf16_products(full->model, true));
+  CHECK_FALSE(bf16_products(full->model, false)); // the CPU multiplies in fp32
+  CHECK_FALSE(bf16_products(wide->model, true));  // fp32 activations
+  auto fp32_products =
+    parse_config("[model]\nactivations = \"bf16\"\nproducts = \"fp32\"\n");
+  REQUIRE(fp32_products);
+  CHECK_FALSE(bf16_products(fp32_products->model, true));
+  auto bf16_everywhere = parse_config("[model]\nproducts = \"bf16\"\n");
+  REQUIRE(bf16_everywhere);
+  CHECK(bf16_products(bf16_everywhere->model, false));
   CHECK(full->train.expert_placement == "balanced"); // the default
   CHECK(full->train.overlap);                        // the default
   auto plain = parse_config("[train]\nsharding = \"full\"\noverlap = false\n");
@@ -84,6 +96,10 @@ TEST_CASE("bad configs give clear errors") {
   CHECK(err("[train]\nexact = true\nprecision = \"bf16\"\n").find("exact mode") != std::string::npos);
   CHECK(err("[model]\nactivations = \"bf16\"\n[train]\nexact = true\n")
           .find("exact mode needs model.activations") != std::string::npos);
+  CHECK(err("[model]\nproducts = \"bf16\"\n[train]\nexact = true\n")
+          .find("exact mode needs model.products") != std::string::npos);
+  CHECK(err("[model]\nproducts = \"tf32\"\n").find("model.products must be")
+        != std::string::npos);
   CHECK(err("[model]\nactivations = \"fp16\"\n").find("model.activations must be")
         != std::string::npos);
   CHECK(err("[train]\nexpert_placement = \"random\"\n").find("train.expert_placement must be")

@@ -187,7 +187,15 @@ struct host_ops {
   template <class U>
   using buffer = std::vector<U>;
 
-  CMESH_CPU_KERNEL(gemm)
+  // model.products = "bf16" (float networks only): operands rounded to bf16.
+  kernels::gemm_math products = kernels::gemm_math::fp32;
+  void gemm(bool ta, bool tb, size_t m, size_t n, size_t k, T alpha, const T* a, size_t lda,
+            const T* b, size_t ldb, T beta, T* c, size_t ldc) {
+    if constexpr (std::is_same_v<T, float>)
+      if (products == kernels::gemm_math::bf16_inputs)
+        return kc::gemm_bf16_inputs(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    kc::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
   CMESH_CPU_KERNEL(add_row_bias)
   CMESH_CPU_KERNEL(add_column_sums)
   CMESH_CPU_KERNEL(gelu_forward)
@@ -296,7 +304,10 @@ public:
 
   explicit network(const moe_config& c, Ops ops = {})
       : c_(c), at_(make_layout(c)), ops_(std::move(ops)), caches_(c.layers),
-        half_(std::is_same_v<T, float> && c.activations == "bf16") {}
+        half_(std::is_same_v<T, float> && c.activations == "bf16") {
+    if (std::is_same_v<T, float> && bf16_products(c, !Ops::host))
+      ops_.products = kernels::gemm_math::bf16_inputs;
+  }
 
   const layout& at() const { return at_; }
   void set_exchange(expert_exchange* x) { ex_ = x; }
@@ -1166,9 +1177,10 @@ public:
 
   cuda_ops() : blas_(std::make_shared<kcu::cublas_handle>()) {}
 
+  kernels::gemm_math products = kernels::gemm_math::fp32; // model.products
   void gemm(bool ta, bool tb, size_t m, size_t n, size_t k, float alpha, const float* a,
             size_t lda, const float* b, size_t ldb, float beta, float* c, size_t ldc) {
-    kcu::gemm(*blas_, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, stream_);
+    kcu::gemm(*blas_, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, stream_, products);
   }
   void add_row_bias(float* y, const float* bias, size_t rows, size_t cols) {
     kcu::add_row_bias(y, bias, rows, cols, stream_);

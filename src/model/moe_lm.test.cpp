@@ -2,6 +2,7 @@
 
 #include "kernels/gemm.hpp"
 #include "kernels/optim.hpp"
+#include "kernels/precision.hpp"
 
 #include <doctest/doctest.h>
 
@@ -778,7 +779,14 @@ TEST_CASE("moe_lm: the device code path (emulated) computes what the CPU model d
   // on either would differ here (or not compile).
   auto c = tiny_config(2);
   SUBCASE("fp32 activations") {}
-  SUBCASE("bf16 activations") { c.activations = "bf16"; }
+  SUBCASE("bf16 activations") {
+    c.activations = "bf16";
+    c.products = "fp32"; // "auto" would round the device's products only
+  }
+  SUBCASE("bf16 activations and products") {
+    c.activations = "bf16";
+    c.products = "bf16";
+  }
   const auto [b1, b2] = two_batches(11, 16);
   auto cpu = make_moe_lm(c);
   auto dev = make_moe_lm_on(c, compute_device::emulated);
@@ -809,6 +817,37 @@ TEST_CASE("moe_lm: the device code path (emulated) computes what the CPU model d
   batch empty;
   empty.seq_len = 16;
   CHECK(d.forward_backward(empty).tokens == 0);
+}
+
+TEST_CASE("moe_lm: bf16 products round the operands: near the fp32 products, not their bits") {
+  // With bf16 activations and weights the forward products' operands are
+  // bf16 values already; the backward products round the gradients.
+  auto c = tiny_config(2);
+  c.activations = "bf16";
+  auto fp32 = make_moe_lm(c);
+  c.products = "bf16";
+  auto bf16 = make_moe_lm(c);
+  for (auto* m : {fp32.get(), bf16.get()}) {
+    auto p = m->parameters();
+    cmesh::kernels::cpu::round_to_bf16(p.data(), p.size()); // bf16 weights, as training has
+  }
+  const auto [b1, b2] = two_batches(11, 16);
+  fp32->zero_gradients();
+  bf16->zero_gradients();
+  const auto s = fp32->forward_backward(b1), t = bf16->forward_backward(b1);
+  CHECK(s.loss == t.loss); // the forward pass multiplies bf16 values: no rounding
+  auto g = fp32->gradients(), h = bf16->gradients();
+  double num = 0, den = 0;
+  size_t differ = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    num += (double(g[i]) - h[i]) * (double(g[i]) - h[i]);
+    den += double(g[i]) * g[i];
+    differ += g[i] != h[i];
+  }
+  CHECK(differ > 0);
+  CHECK(std::sqrt(num / den) < 1e-2); // a bf16 step is 2^-8
+  MESSAGE("bf16 products: " << differ << " of " << g.size()
+          << " gradient values differ, relative l2 " << std::sqrt(num / den));
 }
 
 TEST_CASE("moe_lm: a gradient kept on the device (emulated, or a GPU) is the CPU model's") {
@@ -898,6 +937,7 @@ TEST_CASE("moe_lm: on a GPU the model computes what the CPU model does") {
   SUBCASE("fp32 activations") {}
   SUBCASE("bf16 activations") {
     c.activations = "bf16";
+    c.products = "bf16"; // the CPU rounds the operands as the GPU's tensor cores do
     half = true;
   }
   auto dev = make_moe_lm_on(c, compute_device::cuda);

@@ -1,10 +1,13 @@
 #include "kernels/gemm.hpp"
+#include "kernels/precision.hpp"
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <vector>
 
 namespace cmesh::kernels::cpu {
 
@@ -180,6 +183,34 @@ void add_column_sums(float* sums, const float* x, std::size_t rows, std::size_t 
 }
 void add_column_sums(double* sums, const double* x, std::size_t rows, std::size_t cols) {
   add_column_sums_t(sums, x, rows, cols);
+}
+
+namespace {
+
+// The [rows, cols] block of a row-major matrix with leading dimension ld,
+// rounded to bf16, packed (leading dimension cols) into out.
+const float* rounded_block(const float* x, std::size_t rows, std::size_t cols, std::size_t ld,
+                           std::vector<float>& out) {
+  out.resize(rows * cols);
+  for (std::size_t r = 0; r < rows; ++r)
+    std::copy_n(x + r * ld, cols, out.data() + r * cols);
+  round_to_bf16(out.data(), out.size());
+  return out.data();
+}
+
+} // namespace
+
+void gemm_bf16_inputs(bool trans_a, bool trans_b, std::size_t m, std::size_t n, std::size_t k,
+                      float alpha, const float* a, std::size_t lda, const float* b,
+                      std::size_t ldb, float beta, float* c, std::size_t ldc) {
+  if (m == 0 || n == 0 || k == 0)
+    return gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  thread_local std::vector<float> ra, rb;
+  // As stored: A is [m, k] ([k, m] when transposed), B [k, n] ([n, k]).
+  const std::size_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
+  const float* a16 = rounded_block(a, trans_a ? k : m, a_cols, lda, ra);
+  const float* b16 = rounded_block(b, trans_b ? n : k, b_cols, ldb, rb);
+  gemm(trans_a, trans_b, m, n, k, alpha, a16, a_cols, b16, b_cols, beta, c, ldc);
 }
 
 } // namespace cmesh::kernels::cpu

@@ -21,6 +21,12 @@ struct cublas_api {
   decltype(&cublasDestroy_v2) destroy = nullptr;
   decltype(&cublasSetStream_v2) set_stream = nullptr;
   decltype(&cublasSgemm_v2) sgemm = nullptr;
+  // cublasGemmEx is overloaded in C++ (an inline one takes the old compute
+  // type): name the exported one's type.
+  cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                            const void*, const void*, cudaDataType, int, const void*,
+                            cudaDataType, int, const void*, void*, cudaDataType, int,
+                            cublasComputeType_t, cublasGemmAlgo_t) = nullptr;
   decltype(&cublasSetMathMode) set_math_mode = nullptr;
   decltype(&cublasSetAtomicsMode) set_atomics_mode = nullptr;
   decltype(&cublasGetStatusName) status_name = nullptr;
@@ -51,6 +57,7 @@ const cublas_api& cublas() {
     load(a.destroy, "cublasDestroy_v2");
     load(a.set_stream, "cublasSetStream_v2");
     load(a.sgemm, "cublasSgemm_v2");
+    load(a.gemm_ex, "cublasGemmEx");
     load(a.set_math_mode, "cublasSetMathMode");
     load(a.set_atomics_mode, "cublasSetAtomicsMode");
     load(a.status_name, "cublasGetStatusName");
@@ -138,7 +145,8 @@ cublas_handle& cublas_handle::operator=(cublas_handle&& other) noexcept {
 
 void gemm(cublas_handle& handle, bool trans_a, bool trans_b, std::size_t m, std::size_t n,
           std::size_t k, float alpha, const float* a, std::size_t lda, const float* b,
-          std::size_t ldb, float beta, float* c, std::size_t ldc, cudaStream_t stream) {
+          std::size_t ldb, float beta, float* c, std::size_t ldc, cudaStream_t stream,
+          gemm_math math) {
   if (m == 0 || n == 0)
     return;
   if (k == 0) {
@@ -156,6 +164,15 @@ void gemm(cublas_handle& handle, bool trans_a, bool trans_b, std::size_t m, std:
   // matrix is its transpose in column-major, so each operand keeps its flag.
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (math == gemm_math::bf16_inputs) {
+    // fp32 in and out; the library rounds the operands to bf16 and runs the
+    // products on tensor cores with fp32 accumulation.
+    check_cublas(api.gemm_ex(handle.get(), op_b, op_a, in, im, ik, &alpha, b, CUDA_R_32F, ildb, a,
+                             CUDA_R_32F, ilda, &beta, c, CUDA_R_32F, ildc,
+                             CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT),
+                 "cublasGemmEx (bf16 inputs)");
+    return;
+  }
   check_cublas(api.sgemm(handle.get(), op_b, op_a, in, im, ik, &alpha, b, ildb, a, ilda, &beta, c,
                          ildc),
                "cublasSgemm");

@@ -11,7 +11,8 @@
 // a loss, a flag). Float only, plus the bf16 casts.
 //
 // Kernels (file):
-//   gemm.cu        cublas_handle, gemm (cuBLAS sgemm, row-major), add_row_bias,
+//   gemm.cu        cublas_handle, gemm (cuBLAS sgemm, or GemmEx with bf16
+//                  inputs; row-major), add_row_bias,
 //                  add_column_sums
 //   activation.cu  gelu_forward, gelu_backward
 //   loss.cu        softmax_cross_entropy_forward (per-row loss + mean),
@@ -53,6 +54,7 @@
 // balancing loss, sum_of_squares and l2_norm.
 #pragma once
 
+#include "kernels/gemm.hpp"      // gemm_math
 #include "kernels/optim.hpp"     // cpu::adamw_params
 #include "kernels/precision.hpp" // cpu::loss_scaler
 
@@ -93,10 +95,14 @@ private:
 /// swapped (a row-major C is a column-major C^T = op(B)^T op(A)^T). Sets the
 /// handle's stream to `stream`. beta == 0 overwrites C; k == 0 scales C;
 /// m == 0 or n == 0 does nothing. Sizes above INT_MAX throw
-/// std::invalid_argument.
+/// std::invalid_argument. gemm_math::bf16_inputs goes through cublasGemmEx
+/// with CUBLAS_COMPUTE_32F_FAST_16BF (operands rounded to bf16 by the
+/// library, tensor cores, fp32 sums): cpu::gemm_bf16_inputs up to the order
+/// of the additions.
 void gemm(cublas_handle& handle, bool trans_a, bool trans_b, std::size_t m, std::size_t n,
           std::size_t k, float alpha, const float* a, std::size_t lda, const float* b,
-          std::size_t ldb, float beta, float* c, std::size_t ldc, cudaStream_t stream);
+          std::size_t ldb, float beta, float* c, std::size_t ldc, cudaStream_t stream,
+          gemm_math math = gemm_math::fp32);
 
 /// y[r, j] += bias[j] (y row-major [rows, cols]).
 void add_row_bias(float* y, const float* bias, std::size_t rows, std::size_t cols,
