@@ -74,42 +74,41 @@ TEST_CASE("gemm: every transpose combination matches a naive product") {
 }
 
 TEST_CASE("gemm with bf16 inputs: the product of the operands rounded to bf16, bit for bit") {
-  namespace kk = cmesh::kernels::cpu;
-  const std::size_t m = 6, n = 5, k = 9;
+  const std::size_t m = 6, n = 5, kk = 9;
   for (const bool ta : {false, true}) {
     for (const bool tb : {false, true}) {
       CAPTURE(ta);
       CAPTURE(tb);
-      const std::size_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 2, ldc = n + 1;
-      const auto a = random_matrix<float>((ta ? k : m) * lda, 5);
-      const auto b = random_matrix<float>((tb ? n : k) * ldb, 6);
+      const std::size_t lda = (ta ? m : kk) + 3, ldb = (tb ? kk : n) + 2, ldc = n + 1;
+      const auto a = random_matrix<float>((ta ? kk : m) * lda, 5);
+      const auto b = random_matrix<float>((tb ? n : kk) * ldb, 6);
       const auto c0 = random_matrix<float>(m * ldc, 7);
       auto a16 = a, b16 = b;
-      kk::round_to_bf16(a16.data(), a16.size());
-      kk::round_to_bf16(b16.data(), b16.size());
+      k::round_to_bf16(a16.data(), a16.size());
+      k::round_to_bf16(b16.data(), b16.size());
       auto want = c0, got = c0, full = c0;
-      kk::gemm(ta, tb, m, n, k, 0.75f, a16.data(), lda, b16.data(), ldb, 0.5f, want.data(), ldc);
+      k::gemm(ta, tb, m, n, kk, 0.75f, a16.data(), lda, b16.data(), ldb, 0.5f, want.data(), ldc);
       const auto a_in = a, b_in = b;
-      kk::gemm_bf16_inputs(ta, tb, m, n, k, 0.75f, a.data(), lda, b.data(), ldb, 0.5f,
+      k::gemm_bf16_inputs(ta, tb, m, n, kk, 0.75f, a.data(), lda, b.data(), ldb, 0.5f,
                            got.data(), ldc);
       CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
       CHECK(a == a_in); // the operands are left as they are
       CHECK(b == b_in);
       // Random fp32 operands are not bf16 values: the rounding shows, and
       // stays within two bf16 steps of each term.
-      kk::gemm(ta, tb, m, n, k, 0.75f, a.data(), lda, b.data(), ldb, 0.5f, full.data(), ldc);
+      k::gemm(ta, tb, m, n, kk, 0.75f, a.data(), lda, b.data(), ldb, 0.5f, full.data(), ldc);
       CHECK(got != full);
       for (std::size_t e = 0; e < got.size(); ++e)
-        CHECK(std::fabs(got[e] - full[e]) <= 0.75 * k * 2.0 * std::ldexp(1.0, -8) + 1e-6);
+        CHECK(std::fabs(got[e] - full[e]) <= 0.75 * kk * 2.0 * std::ldexp(1.0, -8) + 1e-6);
     }
   }
   // Operands that hold bf16 values multiply as they are.
-  auto a = random_matrix<float>(m * k, 8), b = random_matrix<float>(k * n, 9);
-  kk::round_to_bf16(a.data(), a.size());
-  kk::round_to_bf16(b.data(), b.size());
+  auto a = random_matrix<float>(m * kk, 8), b = random_matrix<float>(kk * n, 9);
+  k::round_to_bf16(a.data(), a.size());
+  k::round_to_bf16(b.data(), b.size());
   std::vector<float> x(m * n, 0.0f), y(m * n, 0.0f);
-  kk::gemm(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, x.data(), n);
-  kk::gemm_bf16_inputs(false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, y.data(), n);
+  k::gemm(false, false, m, n, kk, 1.0f, a.data(), kk, b.data(), n, 0.0f, x.data(), n);
+  k::gemm_bf16_inputs(false, false, m, n, kk, 1.0f, a.data(), kk, b.data(), n, 0.0f, y.data(), n);
   CHECK(x == y);
 }
 
