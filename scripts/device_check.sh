@@ -139,6 +139,13 @@ checks() {
     --steps 30
   step train_cuda_big_bf16_fp32 90 "$BINS/cmesh" launch -n 1 --device cuda \
     --config "$OUT/big_bf16_fp32.toml" --steps 30
+  # The catch-up's rate and the survivors' stall on a machine with cores to
+  # spare (this one's CPUs, the GPU unused): the serving thread and the
+  # joiner each get a core beside the trainers', which the 2-core machines
+  # the benchmark otherwise runs on cannot give them.
+  if [ -x "$BINS/cmesh_bench_recovery" ]; then
+    step recovery_cores 200 "$BINS/cmesh_bench_recovery" --catchup-only --quick
+  fi
 }
 
 # Every NCCL library on this machine: path, version, and whether it has
@@ -223,12 +230,13 @@ elif step configure 90 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release; then
     step build 330 cmake --build "$BUILD" -j"$JOBS"
   else
     step build 270 cmake --build "$BUILD" -j"$JOBS" --target \
-      test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl test_model cmesh
+      test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl test_model cmesh \
+      cmesh_bench_recovery
   fi
   if [ $? -eq 0 ]; then
     mkdir -p "$BUILD/gpu-bin"
     for b in src/kernels/test_kernels src/test_collectives_nccl src/test_mp_nccl src/test_model \
-             bin/cmesh bin/cmesh_test_nccl; do
+             bin/cmesh bin/cmesh_test_nccl bin/cmesh_bench_recovery; do
       ln -sf "$(pwd)/$BUILD/$b" "$BUILD/gpu-bin/"
     done
     BINS=$(pwd)/$BUILD/gpu-bin
@@ -261,6 +269,8 @@ fi
     grep -hE "^step|summary|cmesh: training|committed step|lost|device communicator|summed on the device" \
       "$OUT/$t.log" 2>/dev/null | sed 's/^\[[^]]*\] \[info\] //'
   done
+  echo "---- recovery_cores"
+  grep -hE "^#|^\|" "$OUT/recovery_cores.log" 2>/dev/null
   echo "---- failures"
   grep -hE "ERROR:|FATAL|fatal|FAIL|symbol lookup|rebuilt .*\(ok" "${gpu_logs[@]}" 2>/dev/null | head -40
 } >>"$OUT/summary.txt"

@@ -24,7 +24,8 @@ if ! grep -q '^CMESH_WITH_CUDA:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null \
   exit 1
 fi
 cmake --build "$BUILD" -j"$JOBS" --target \
-  test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl test_model cmesh
+  test_kernels test_collectives_nccl cmesh_test_nccl test_mp_nccl test_model cmesh \
+  cmesh_bench_recovery
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
@@ -33,7 +34,7 @@ mkdir -p "$root/bin" "$root/lib" "$root/ucx" "$root/cxx"
 
 bins=("$BUILD/src/kernels/test_kernels" "$BUILD/src/test_collectives_nccl"
       "$BUILD/src/test_mp_nccl" "$BUILD/src/test_model"
-      "$BUILD/bin/cmesh" "$BUILD/bin/cmesh_test_nccl")
+      "$BUILD/bin/cmesh" "$BUILD/bin/cmesh_test_nccl" "$BUILD/bin/cmesh_bench_recovery")
 for b in "${bins[@]}"; do
   objcopy --strip-debug "$b" "$root/bin/$(basename "$b")"
 done

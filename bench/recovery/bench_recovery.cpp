@@ -15,7 +15,13 @@
 // Every figure comes from the launcher's JSON-lines event log (CLOCK_MONOTONIC
 // timestamps shared by all processes) and the workers' log lines.
 //
-//   cmesh_bench_recovery [--kills N] [--seed S] [--quick] [--broadcast BYTES]
+//   cmesh_bench_recovery [--kills N] [--seed S] [--quick] [--catchup-only]
+//                        [--broadcast BYTES]
+//
+// --quick: 4 kills per layout and the two smaller models; --catchup-only:
+// parts 2 and 3 alone (what a machine with more cores than this one's two
+// is lent for: there a survivor's serving thread and the joiner each have a
+// core of their own, beside the trainers').
 #include "actors/agent.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "common/launch.hpp"
@@ -187,47 +193,9 @@ double memcpy_gbps() {
   return best;
 }
 
-struct size_case {
-  const char* name;
-  size_t d_model, ffn, expert_ffn;
-  size_t steps;
-  int kill_step;
-  int restart_delay_ms; // long enough for a few steps of the survivors alone
-};
-
-} // namespace
-
-int main(int argc, char** argv) {
-  int kills = 20;
-  uint64_t seed = 1;
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--kills" && i + 1 < argc)
-      kills = std::atoi(argv[++i]);
-    else if (a == "--seed" && i + 1 < argc)
-      seed = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--quick")
-      quick = true;
-    else if (a == "--broadcast" && i + 1 < argc) {
-      const size_t bytes = std::strtoull(argv[++i], nullptr, 10);
-      for (bool transfer : {true, false}) {
-        auto r = broadcast_gbps(bytes, transfer);
-        fmt::print("broadcast of {} bytes, {} context: cold {:.2f} GB/s, warm {:.2f} GB/s\n", bytes,
-                   transfer ? "transfer" : "training", r.cold, r.warm);
-      }
-      return 0;
-    } else {
-      fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick] "
-                 "[--broadcast BYTES]\n");
-      return 2;
-    }
-  }
-  if (quick)
-    kills = 4;
-  fmt::print("# recovery benchmark: {} seeded kills per layout, seed {}\n\n", kills, seed);
-
-  // 1. Kill -> next commit.
+/// Part 1: kill -> the survivors' next committed step, over `kills` seeded
+/// SIGKILLs in each layout.
+void kill_latency_table(int kills, uint64_t seed) {
   fmt::print("## kill -> survivors' next committed step (goal: p50 < 1000 ms, p99 < 3000 ms)\n\n");
   fmt::print("| layout | kills of members timed | p50 ms | p99 ms | max ms | goal |\n|---|---|---|---|---|---|\n");
   for (auto [R, S] : {std::pair{4, 1}, {2, 2}, {2, 1}}) {
@@ -252,6 +220,53 @@ int main(int argc, char** argv) {
   fmt::print("\nIn 2x2 a kill takes its whole group out (its partner is fenced and\n"
              "restarted too); with two groups a kill while the other group is out is\n"
              "skipped (no group would be left).\n\n");
+}
+
+struct size_case {
+  const char* name;
+  size_t d_model, ffn, expert_ffn;
+  size_t steps;
+  int kill_step;
+  int restart_delay_ms; // long enough for a few steps of the survivors alone
+};
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int kills = 20;
+  uint64_t seed = 1;
+  bool quick = false, catchup_only = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--kills" && i + 1 < argc)
+      kills = std::atoi(argv[++i]);
+    else if (a == "--seed" && i + 1 < argc)
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--quick")
+      quick = true;
+    else if (a == "--catchup-only")
+      catchup_only = true;
+    else if (a == "--broadcast" && i + 1 < argc) {
+      const size_t bytes = std::strtoull(argv[++i], nullptr, 10);
+      for (bool transfer : {true, false}) {
+        auto r = broadcast_gbps(bytes, transfer);
+        fmt::print("broadcast of {} bytes, {} context: cold {:.2f} GB/s, warm {:.2f} GB/s\n", bytes,
+                   transfer ? "transfer" : "training", r.cold, r.warm);
+      }
+      return 0;
+    } else {
+      fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick] "
+                 "[--catchup-only] [--broadcast BYTES]\n");
+      return 2;
+    }
+  }
+  if (quick)
+    kills = 4;
+  fmt::print("# recovery benchmark: {} seeded kills per layout, seed {}, {} cores\n\n", kills,
+             seed, std::thread::hardware_concurrency());
+
+  if (!catchup_only)
+    kill_latency_table(kills, seed);
 
   // 2 and 3. Catch-up by model size, and the survivors' stall meanwhile.
   double mem = memcpy_gbps();
