@@ -6,6 +6,8 @@
 // Scale: CMESH_SOAK_ROUNDS (seeds per case, default 3), CMESH_SOAK_STEPS
 // (steps per run, default 300), CMESH_SOAK_KILLS (kills per run, default 8).
 // Each round prints its seed; CMESH_SEED=N replays the first round's.
+// Every recovery must also end within a generous bound (a hang guard: a
+// wait that ran out a timeout instead of being told).
 #include "node_harness.hpp"
 
 #include <regex>
@@ -32,6 +34,23 @@ size_t kills_in(const std::string& out) {
   return captures(out, "(chaos: SIGKILL)").size();
 }
 
+/// The longest time from a failure to the survivors' next commit that the
+/// launcher reported ("epoch N committed step S, X ms after it began, Y ms
+/// after the last failure"). Recovery is pushed, so it takes about a
+/// second even on a loaded machine; tens of seconds mean a wait ran out a
+/// timeout (30 s for an epoch's rendezvous or a collective) instead of
+/// being told.
+double slowest_recovery_ms(const std::string& out) {
+  double worst = 0;
+  for (auto& v : captures(out, "ms after it began, ([0-9]+) ms after the last failure"))
+    worst = std::max(worst, std::stod(v));
+  return worst;
+}
+
+// A generous bound: well above a loaded machine's recovery, well below the
+// timeouts a missed notice falls back on.
+constexpr double recovery_bound_ms = 15000;
+
 run_result soak_run(const std::string& args, uint64_t seed, const soak_params& p) {
   auto r = run_cmesh("launch --steps " + std::to_string(p.steps) + " --log-every 100 "
                        + "--restart-delay-ms 100 --max-restarts 100 --chaos-first-step 5 "
@@ -39,7 +58,8 @@ run_result soak_run(const std::string& args, uint64_t seed, const soak_params& p
                        + std::to_string(seed) + " " + args,
                      {}, 1800s);
   MESSAGE(args << " seed " << seed << ": exit " << r.exit_code << ", " << kills_in(r.output)
-                << " kills, " << r.took.count() / 1000.0 << " s");
+                << " kills, " << r.took.count() / 1000.0 << " s, slowest recovery "
+                << slowest_recovery_ms(r.output) << " ms");
   return r;
 }
 
@@ -62,6 +82,7 @@ TEST_CASE("soak: exact mode, seeded kills in every layout, weights bit-identical
       INFO(r.output);
       REQUIRE(r.exit_code == 0);
       CHECK(kills_in(r.output) >= 1);
+      CHECK(slowest_recovery_ms(r.output) < recovery_bound_ms);
       auto ws = done_weights(r.output, p.steps);
       CHECK(!ws.empty());
       for (auto& w : ws)
@@ -81,6 +102,7 @@ TEST_CASE("soak: the device path (emulated), seeded kills, one set of weights") 
       INFO(r.output);
       REQUIRE(r.exit_code == 0);
       CHECK(r.output.find("gradients summed on the device") != std::string::npos);
+      CHECK(slowest_recovery_ms(r.output) < recovery_bound_ms);
       auto ws = done_weights(r.output, p.steps);
       CHECK(!ws.empty());
       CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);

@@ -866,12 +866,26 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
       I.cv.notify_all();
       lk.unlock();
       auto cl = I.client();
+      // A newer epoch makes this one moot: its members may go straight to
+      // the newest they know (a joiner that caught up meanwhile, a member
+      // that heard of it before the switch), and would never publish here.
+      coll::build_status moot = [&I, epoch = n.epoch]() -> caf::error {
+        std::lock_guard lk(I.mu);
+        if (I.newest && I.newest->epoch > epoch)
+          return make_error(errc::aborted,
+                            fmt::format("epoch {} was superseded by epoch {} while it was built",
+                                        epoch, I.newest->epoch));
+        return {};
+      };
       auto c = coll::make_host_communicator(I.ctx, {n.epoch, n.ranks}, *cl,
-                                            I.member_status(n.epoch), I.o.host);
+                                            I.member_status(n.epoch), I.o.host, std::move(moot));
       lk.lock();
       if (!c) {
-        spdlog::warn("agent: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
-                     describe(c.error()));
+        if (code_of(c.error()) == errc::aborted)
+          spdlog::info("agent: rank {} skips epoch {}: {}", I.o.rank, n.epoch, describe(c.error()));
+        else
+          spdlog::warn("agent: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
+                       describe(c.error()));
         after = n.epoch;
         deadline = clock_type::now() + I.o.epoch_wait;
         continue;

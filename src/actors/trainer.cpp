@@ -449,7 +449,8 @@ expected<train_result> trainer::run() {
       if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable
           || code_of(e) == errc::invalid_argument) // e.g. layouts that disagree
         return e;
-      spdlog::warn("trainer: epoch {} failed while reconciling: {}", after, describe(e));
+      spdlog::warn("trainer: epoch {} failed while reconciling: {}", I.comm->members().epoch,
+                   describe(e));
       why = e;
     }
   };

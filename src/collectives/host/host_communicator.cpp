@@ -1364,7 +1364,7 @@ expected<std::unique_ptr<communicator>> make_host_subcommunicator(
 
 expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
-  peer_status status, host_options opts) {
+  peer_status status, host_options opts, build_status moot) {
   auto ns = "epoch/" + std::to_string(members.epoch) + "/host/";
   if (auto e = ctx->prepare(members))
     return e;
@@ -1373,29 +1373,47 @@ expected<std::unique_ptr<communicator>> make_host_communicator(
                                   wire::bytes(mine.begin(), mine.end())))
     return e;
   std::vector<std::string> addresses(members.size());
+  // Waited for in slices, so that any member found lost meanwhile (the
+  // failure detector says so), not only the one awaited, or a build made
+  // moot ends the wait at once, not at the timeout: a member that went to
+  // a newer membership instead never publishes here.
+  constexpr std::chrono::milliseconds slice{100};
+  const auto deadline = std::chrono::steady_clock::now() + opts.rendezvous_timeout;
+  auto still_wanted = [&]() -> caf::error {
+    if (moot)
+      if (auto e = moot())
+        return e;
+    if (status)
+      for (auto r : members.ranks)
+        if (r != ctx->rank())
+          if (auto lost = status(r))
+            return lost;
+    return {};
+  };
   for (size_t i = 0; i < members.size(); ++i) {
     if (members.ranks[i] == ctx->rank()) {
       addresses[i] = mine;
       continue;
     }
-    // Waited for in slices, so that a member found lost meanwhile (the
-    // failure detector says so) ends the wait at once, not at the timeout.
     const auto key = ns + std::to_string(members.ranks[i]);
-    const auto deadline = std::chrono::steady_clock::now() + opts.rendezvous_timeout;
     for (;;) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
-      auto a = coordinator.kv_get(key, std::clamp(left, std::chrono::milliseconds(1),
-                                                  std::chrono::milliseconds(200)));
+      auto a = coordinator.kv_get(key, std::clamp(left, std::chrono::milliseconds(1), slice));
       if (a) {
         addresses[i].assign(a->begin(), a->end());
         break;
       }
-      if (code_of(a.error()) != errc::timeout || left.count() <= 200)
+      if (code_of(a.error()) != errc::timeout)
         return a.error();
-      if (status)
-        if (auto lost = status(members.ranks[i]))
-          return lost;
+      if (left <= slice)
+        return make_error(errc::timeout,
+                          "rank " + std::to_string(members.ranks[i])
+                            + " published no address for membership " + std::to_string(members.epoch)
+                            + " within " + std::to_string(opts.rendezvous_timeout.count())
+                            + " ms (key \"" + key + "\" at the coordinator)");
+      if (auto e = still_wanted())
+        return e;
     }
   }
   return make_host_communicator(std::move(ctx), std::move(members), addresses, std::move(status),

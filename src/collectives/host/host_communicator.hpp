@@ -125,13 +125,22 @@ private:
 /// an eighth of that, and a warm broadcast moves as fast.
 expected<std::shared_ptr<host_context>> transfer_context(uint32_t rank);
 
+/// Why a communicator still being built is no longer wanted (e.g. a newer
+/// epoch came, which a member may have gone to instead); no error while it
+/// still is.
+using build_status = std::function<caf::error()>;
+
 /// Builds the communicator of `members` (this rank must be one): publishes
 /// this worker's address under the epoch's namespace, reads the others' and
-/// connects. Errors: invalid_argument, timeout (a member never published),
-/// closed (coordinator lost), transport_failure.
+/// connects. The wait for the others' addresses runs in slices of 100 ms;
+/// between them it asks `status` about every member still awaited and
+/// `moot` (when given), and the first error ends the build. Errors:
+/// invalid_argument, timeout (a member never published within
+/// opts.rendezvous_timeout), closed (coordinator lost), transport_failure,
+/// and whatever `status` and `moot` return.
 expected<std::unique_ptr<communicator>> make_host_communicator(
   std::shared_ptr<host_context> ctx, membership members, coordinator_client& coordinator,
-  peer_status status, host_options opts = {});
+  peer_status status, host_options opts = {}, build_status moot = {});
 
 /// Whether `c` is a host communicator whose ring runs through the
 /// shared-memory rings (members all on one host, host_options::shared_memory_ring);

@@ -1,7 +1,10 @@
 #include "collectives/host/host_communicator.hpp"
 
+#include "transport/bootstrap.hpp"
+
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -187,4 +190,71 @@ TEST_CASE("a context moves to a fresh worker after a failed communicator or a lo
   // The failed communicator still holds its own worker and closes cleanly.
   CHECK(code_of((*c)->poisoned()) == errc::aborted);
   c->reset();
+}
+
+TEST_CASE("a build through the coordinator ends at once when a member is lost or it is made moot") {
+  using namespace std::chrono_literals;
+  // Rank 1 never publishes its address (it went to a newer membership, or
+  // died): the build must not wait out the rendezvous timeout (60 s here).
+  coordinator_options co;
+  co.world_size = 3;
+  coordinator coord(co);
+  REQUIRE(!coord.start());
+  auto client = coordinator_client::connect({"127.0.0.1", coord.port()}, 5000ms);
+  REQUIRE(client);
+  host_options o;
+  o.rendezvous_timeout = 60000ms;
+  auto after = [](std::chrono::milliseconds d) {
+    return [at = std::chrono::steady_clock::now() + d] { return std::chrono::steady_clock::now() >= at; };
+  };
+  auto took_s = [](auto t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  SUBCASE("made moot: a newer membership came") {
+    auto ctx = host_context::create(0);
+    REQUIRE(ctx);
+    auto newer = after(300ms);
+    build_status moot = [&]() -> caf::error {
+      return newer() ? make_error(errc::aborted, "superseded by membership 8") : caf::error{};
+    };
+    auto t0 = std::chrono::steady_clock::now();
+    auto c = make_host_communicator(*ctx, {7, {0, 1}}, *client, {}, o, moot);
+    REQUIRE_FALSE(c);
+    CHECK(code_of(c.error()) == errc::aborted);
+    CHECK(describe(c.error()).find("superseded by membership 8") != std::string::npos);
+    CHECK(took_s(t0) < 10.0); // a hang guard: it ends within a slice of the moot
+  }
+  SUBCASE("a member other than the one awaited is lost") {
+    // Rank 2 published; rank 1 is awaited; then rank 2 is found lost.
+    REQUIRE(!client->kv_put("epoch/9/host/2", wire::bytes{1, 2, 3}));
+    auto ctx = host_context::create(0);
+    REQUIRE(ctx);
+    auto dead = after(300ms);
+    std::atomic<uint32_t> asked_about_2{0};
+    peer_status status = [&](uint32_t r) -> caf::error {
+      if (r == 2) {
+        ++asked_about_2;
+        if (dead())
+          return make_error(errc::peer_lost, "rank 2 was lost in epoch 9");
+      }
+      return {};
+    };
+    auto t0 = std::chrono::steady_clock::now();
+    auto c = make_host_communicator(*ctx, {9, {0, 1, 2}}, *client, status, o);
+    REQUIRE_FALSE(c);
+    CHECK(code_of(c.error()) == errc::peer_lost);
+    CHECK(describe(c.error()).find("rank 2 was lost") != std::string::npos);
+    CHECK(asked_about_2.load() >= 1);
+    CHECK(took_s(t0) < 10.0);
+  }
+  SUBCASE("nobody says anything: the timeout names the member that never published") {
+    auto ctx = host_context::create(0);
+    REQUIRE(ctx);
+    o.rendezvous_timeout = 400ms;
+    auto c = make_host_communicator(*ctx, {11, {0, 1}}, *client, {}, o);
+    REQUIRE_FALSE(c);
+    CHECK(code_of(c.error()) == errc::timeout);
+    CHECK(describe(c.error()).find("rank 1 published no address for membership 11 within 400 ms")
+          != std::string::npos);
+  }
 }
