@@ -429,11 +429,18 @@ int run_launch(const job_options& job) {
       while (next_action < plan.size() && plan[next_action].at_step <= v.max_member_step) {
         auto& a = plan[next_action];
         // Live member groups other than the target's (a group lives while
-        // all its ranks do).
+        // all its ranks do). A group the newest epoch admits counts only
+        // once its ranks trained in an epoch: until they enter it they are
+        // still catching up, and the state they lack may be only on the
+        // group about to be killed (whose surviving rank is then fenced).
+        auto trained = [](uint8_t state) {
+          return state == wire::worker_status::training || state == wire::worker_status::recovering;
+        };
         auto others_live = [&](uint32_t target) {
           std::map<uint32_t, size_t> up;
           for (auto& r : v.ranks)
-            if (r.member && r.live && !signalled_down[r.rank] && r.rank / per_group != target / per_group)
+            if (r.member && r.live && trained(r.state) && !signalled_down[r.rank]
+                && r.rank / per_group != target / per_group)
               ++up[r.rank / per_group];
           size_t n = 0;
           for (auto& [g, k] : up)
