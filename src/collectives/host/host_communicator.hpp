@@ -133,8 +133,8 @@ using build_status = std::function<caf::error()>;
 /// Builds the communicator of `members` (this rank must be one): publishes
 /// this worker's address under the epoch's namespace, reads the others' and
 /// connects. The wait for the others' addresses runs in slices of 100 ms;
-/// between them it asks `status` about every member still awaited and
-/// `moot` (when given), and the first error ends the build. Errors:
+/// between them it asks `status` about every other member (published or
+/// not) and `moot` (when given), and the first error ends the build. Errors:
 /// invalid_argument, timeout (a member never published within
 /// opts.rendezvous_timeout), closed (coordinator lost), transport_failure,
 /// and whatever `status` and `moot` return.
