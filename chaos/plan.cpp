@@ -41,7 +41,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       return make_error(errc::invalid_argument,
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
                                     "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS, "
-                                    "hang@STEP:RANK, kill-source@STEP)",
+                                    "hang@STEP:RANK, fault@STEP:RANK, kill-source@STEP)",
                                     item, why));
     };
     auto at = item.find('@');
@@ -56,10 +56,11 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       a.survivable = true;
       args[1].remove_suffix(1);
     }
-    if (verb == "kill" || verb == "stop" || verb == "hang") {
+    if (verb == "kill" || verb == "stop" || verb == "hang" || verb == "fault") {
       a.kind = verb == "kill"   ? action_kind::kill
                : verb == "stop" ? action_kind::stop
-                                : action_kind::hang;
+               : verb == "hang" ? action_kind::hang
+                                : action_kind::fault;
       size_t want = a.kind == action_kind::stop ? 3 : 2;
       if (args.size() != want)
         return bad(fmt::format("expected {} fields after @", want));
@@ -114,6 +115,7 @@ std::string to_string(const std::vector<action>& plan) {
         break;
       case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
       case action_kind::hang: out += fmt::format("hang@{}:{}", a.at_step, a.rank); break;
+      case action_kind::fault: out += fmt::format("fault@{}:{}", a.at_step, a.rank); break;
     }
   }
   return out;

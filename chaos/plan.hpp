@@ -7,6 +7,9 @@
 //   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
 //   hang@S:R           SIGUSR1 rank R at step S: its trainer's next computation
 //                      hangs for good (a stuck kernel), for the step watchdog
+//   fault@S:R          SIGUSR2 rank R at step S: its next step's collectives
+//                      fail (a transport error) though every process lives,
+//                      for the coordinator to re-form the broken epoch
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
@@ -24,12 +27,12 @@
 
 namespace cmesh::chaos {
 
-enum class action_kind : uint8_t { kill, stop, kill_source, hang };
+enum class action_kind : uint8_t { kill, stop, kill_source, hang, fault };
 
 struct action {
   action_kind kind = action_kind::kill;
   uint64_t at_step = 0;
-  uint32_t rank = 0;   // kill, stop, hang
+  uint32_t rank = 0;   // kill, stop, hang, fault
   int64_t stop_ms = 0; // stop
   /// Survivable only: skipped when its target is the last live member (the
   /// random kills are; a written plan means what it says).

@@ -5,14 +5,15 @@
 using namespace cmesh::chaos;
 
 TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
-  auto p = parse_plan("stop@8:2:3000,kill@5:1,kill-source@9,hang@12:3", 4);
+  auto p = parse_plan("stop@8:2:3000,kill@5:1,kill-source@9,hang@12:3,fault@14:0", 4);
   REQUIRE(p);
-  REQUIRE(p->size() == 4);
+  REQUIRE(p->size() == 5);
   CHECK((*p)[3] == action{action_kind::hang, 12, 3, 0});
+  CHECK((*p)[4] == action{action_kind::fault, 14, 0, 0});
   CHECK((*p)[0] == action{action_kind::kill, 5, 1, 0});
   CHECK((*p)[1] == action{action_kind::stop, 8, 2, 3000});
   CHECK((*p)[2].kind == action_kind::kill_source);
-  CHECK(to_string(*p) == "kill@5:1,stop@8:2:3000,kill-source@9,hang@12:3");
+  CHECK(to_string(*p) == "kill@5:1,stop@8:2:3000,kill-source@9,hang@12:3,fault@14:0");
   auto again = parse_plan(to_string(*p), 4);
   REQUIRE(again);
   CHECK(*again == *p);
@@ -24,7 +25,7 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
 TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
   for (const char* bad : {"kill@5", "kill@x:1", "kill@5:9", "stop@5:1", "stop@5:1:0",
                           "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,", "hang@3",
-                          "hang@3:7"}) {
+                          "hang@3:7", "fault@3", "fault@3:9"}) {
     auto p = parse_plan(bad, 4);
     CAPTURE(bad);
     REQUIRE_FALSE(p);

@@ -338,7 +338,12 @@ void agent::impl::abort_if_left_out() {
   }
   if (!newest)
     return;
-  if (comm && newest->epoch > comm->members().epoch) {
+  if (comm && newest->epoch > comm->members().epoch && newest->abort_running) {
+    // The running epoch broke though its members live: nobody is coming
+    // back to its collectives.
+    abort_epoch(make_error(errc::aborted, fmt::format("epoch {} replaces the broken epoch {}",
+                                                      newest->epoch, comm->members().epoch)));
+  } else if (comm && newest->epoch > comm->members().epoch) {
     const auto& m = comm->members();
     for (auto r : m.ranks) {
       bool stays = has_rank(*newest, r)
@@ -717,6 +722,11 @@ void agent::computing(bool on) {
   impl_->computing_since = on ? mono_ns() : 0;
 }
 
+void agent::abort_epoch(const caf::error& why) {
+  std::lock_guard lk(impl_->mu);
+  impl_->abort_epoch(why);
+}
+
 uint64_t agent::newest_epoch() const {
   std::lock_guard lk(impl_->mu);
   return impl_->newest ? impl_->newest->epoch : 0;
@@ -793,6 +803,12 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
                                                  train_state& st, const apply_update& apply) {
   auto& I = *impl_;
   const bool member_before = after != 0;
+  if (why && member_before) {
+    // The coordinator re-forms the epoch if no death explains this.
+    std::lock_guard lk(I.mu);
+    I.status.broken_epoch = after;
+    I.status.broken_reason = describe(why).substr(0, 240);
+  }
   I.set_status(why ? wire::worker_status::recovering
                : member_before ? wire::worker_status::training
                                : (st.step == 0 ? wire::worker_status::fresh
@@ -883,9 +899,16 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
       if (!c) {
         if (code_of(c.error()) == errc::aborted)
           spdlog::info("agent: rank {} skips epoch {}: {}", I.o.rank, n.epoch, describe(c.error()));
-        else
+        else {
           spdlog::warn("agent: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
                        describe(c.error()));
+          // Its other members may have built it and wait for this rank.
+          I.status.broken_epoch = n.epoch;
+          I.status.broken_reason = ("could not build the epoch: " + describe(c.error())).substr(0, 240);
+          lk.unlock();
+          I.send_status();
+          lk.lock();
+        }
         after = n.epoch;
         deadline = clock_type::now() + I.o.epoch_wait;
         continue;

@@ -45,6 +45,7 @@ struct supervisor::impl {
     uint64_t assigned_session = 0;
     bool lost_reported = false;
     int64_t lost_ms = 0; // when it was found dead
+    int64_t broken_since_ms = 0; // when it reported st.broken_epoch broken
   };
 
   coordinator& coord;
@@ -72,6 +73,7 @@ struct supervisor::impl {
   uint64_t epoch_base_step = 0;
   bool first_commit_seen = true;
   int64_t last_failure_ms = 0;
+  uint32_t reforms_in_a_row = 0; // broken epochs re-formed with no commit since
   std::thread thread;
 
   impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
@@ -114,8 +116,10 @@ struct supervisor::impl {
   /// Pushes the (new) current epoch to every worker, starts timing its
   /// first commit from `base_step`, and logs it.
   void announce_epoch(int64_t now, uint64_t base_step, const std::string& reason,
-                      std::vector<uint32_t> joined, std::vector<uint32_t> left) {
+                      std::vector<uint32_t> joined, std::vector<uint32_t> left,
+                      bool abort_running = false) {
     auto n = current_notice(reason);
+    n.abort_running = abort_running;
     coord.send_control(std::nullopt, n);
     epoch_started_ms = now;
     epoch_base_step = base_step;
@@ -125,6 +129,7 @@ struct supervisor::impl {
                         {"joined", std::move(joined)},
                         {"left", std::move(left)},
                         {"step", base_step},
+                        {"abort_running", abort_running},
                         {"reason", reason}});
   }
   void say(const std::string& line) {
@@ -185,6 +190,7 @@ void supervisor::impl::on_event(const worker_event& ev) {
       if (!first_commit_seen && is_member(ev.rank, w.incarnation)
           && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
         first_commit_seen = true;
+        reforms_in_a_row = 0;
         event_fields f{{"epoch", current.id},
                        {"step", ev.status.step},
                        {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
@@ -196,6 +202,20 @@ void supervisor::impl::on_event(const worker_event& ev) {
                         last_failure_ms != 0
                           ? fmt::format(", {} ms after the last failure", now - last_failure_ms)
                           : std::string()));
+      }
+      if (ev.status.broken_epoch != 0 && ev.status.broken_epoch != w.st.broken_epoch) {
+        w.broken_since_ms = now;
+        const bool current_epoch = is_member(ev.rank, w.incarnation)
+                                   && ev.status.broken_epoch == current.id;
+        if (current_epoch)
+          last_failure_ms = now;
+        log->emit("epoch_broken", {{"rank", uint64_t{ev.rank}},
+                                   {"epoch", ev.status.broken_epoch},
+                                   {"current", current_epoch},
+                                   {"reason", ev.status.broken_reason}});
+        if (current_epoch)
+          say(fmt::format("rank {}: epoch {} broke: {}", ev.rank, ev.status.broken_epoch,
+                          ev.status.broken_reason));
       }
       w.has_status = true;
       w.st = ev.status;
@@ -266,6 +286,7 @@ void supervisor::impl::decide(int64_t now) {
   recovery::quorum_state qs;
   qs.current = current;
   qs.expected_groups = o.groups;
+  qs.reforms_in_a_row = reforms_in_a_row;
   // Deaths of member ranks.
   for (auto& [rank, inc] : member_ranks) {
     auto& w = workers[rank];
@@ -310,15 +331,33 @@ void supervisor::impl::decide(int64_t now) {
     if (same) {
       auto m = std::find_if(current.members.begin(), current.members.end(),
                             [&](auto& x) { return x.group == g; });
-      qs.participants.push_back({*m, hb, 0});
+      recovery::participant p;
+      p.who = *m;
+      p.last_heartbeat_ms = hb;
+      // The earliest of its ranks' reports that the current epoch broke.
+      for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
+        auto& w = workers[r];
+        if (w.st.broken_epoch != current.id || w.broken_since_ms == 0)
+          continue;
+        if (p.broken_since_ms == 0 || w.broken_since_ms < p.broken_since_ms)
+          p.broken_since_ms = w.broken_since_ms;
+        p.broken_reason += (p.broken_reason.empty() ? "" : "; ")
+                           + fmt::format("rank {}: {}", r, w.st.broken_reason);
+      }
+      qs.participants.push_back(std::move(p));
       continue;
     }
     // Not a member (or a member superseded by a restarted rank, which then
     // counts as lost): a joiner once every rank of it is ready.
     if (!complete)
       continue;
-    if (all_joining)
-      qs.participants.push_back({{g, inc}, hb, joined});
+    if (all_joining) {
+      recovery::participant p;
+      p.who = {g, inc};
+      p.last_heartbeat_ms = hb;
+      p.joined_ms = joined;
+      qs.participants.push_back(std::move(p));
+    }
     else if (all_heard)
       ++qs.heard_not_ready; // catching up: heard from, not eligible yet
   }
@@ -359,7 +398,10 @@ void supervisor::impl::decide(int64_t now) {
       uint64_t base = 0;
       for (auto& [rank, inc] : member_ranks)
         base = std::max(base, workers[rank].st.step);
-      announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()));
+      if (d.reform)
+        ++reforms_in_a_row;
+      announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()),
+                     d.abort_running);
       for (auto r : ranks_of(d.joined, S()))
         if (workers[r].ready_since_ms != 0)
           log->emit("catchup_end", {{"rank", uint64_t{r}},

@@ -44,7 +44,7 @@ struct supervisor_options {
   uint32_t ranks_per_group = 1; // S: group g is ranks g*S .. g*S+S-1
   /// The run's last step: once a member reached it, no joiner is admitted.
   uint64_t target_step = 0;
-  recovery::quorum_options quorum{1, 500, 1500};
+  recovery::quorum_options quorum{.min_replicas = 1, .join_window_ms = 500, .heartbeat_timeout_ms = 1500};
   std::chrono::milliseconds tick{20};
   /// A broken epoch that cannot be replaced for this long (no quorum, and
   /// none formed by returning groups) fails the job: restart from checkpoint.

@@ -31,6 +31,7 @@ namespace cmesh::actors {
 namespace {
 
 std::atomic<bool> hang_requested{false};
+std::atomic<bool> fault_requested{false};
 
 /// A chaos hang: the computation never ends (until the process is killed).
 void maybe_hang() {
@@ -86,6 +87,10 @@ bool is_skipped_update(std::span<const float> update) {
 
 void request_hang() {
   hang_requested.store(true, std::memory_order_relaxed);
+}
+
+void request_fault() {
+  fault_requested.store(true, std::memory_order_relaxed);
 }
 
 struct trainer::impl {
@@ -481,6 +486,17 @@ expected<train_result> trainer::run() {
       I.sup->at_boundary(st);
     const uint64_t step = st.step;
     auto& comm = *I.comm;
+    if (fault_requested.exchange(false, std::memory_order_relaxed)) {
+      // A chaos fault: this rank's communicators break as on a transport
+      // error; the process and its peers live on.
+      spdlog::warn("trainer: chaos fault: step {}'s collectives fail on this rank", step);
+      auto why = make_error(errc::transport_failure,
+                            fmt::format("injected fault at step {} (chaos fault)", step));
+      if (I.sup)
+        I.sup->abort_epoch(why);
+      else
+        comm.abort(why);
+    }
     const size_t world = comm.size();
     const double t0 = mono_s();
     I.comm_s = 0;

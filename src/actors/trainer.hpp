@@ -183,11 +183,20 @@ public:
   /// step: a step watchdog times it (collectives wait on others; compute
   /// that does not end is a hang of this rank).
   virtual void computing(bool) {}
+
+  /// Aborts the current epoch's communicators on this rank (its peers are
+  /// told by the coordinator): what a transport error does to them.
+  virtual void abort_epoch(const caf::error& why) = 0;
 };
 
 /// Chaos support: makes the trainer's next computation hang for good (a
 /// stuck kernel), so the step watchdog can be tested. Async-signal-safe.
 void request_hang();
+
+/// Chaos support: makes the collectives of the trainer's next step fail on
+/// this rank, as on a transport error, while every process lives on.
+/// Async-signal-safe.
+void request_fault();
 
 struct trainer_options {
   model::run_config config;

@@ -98,6 +98,8 @@ expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord
   so.quorum.min_replicas = job.supervise.min_replicas;
   so.quorum.join_window_ms = job.supervise.join_window_ms;
   so.quorum.heartbeat_timeout_ms = job.supervise.heartbeat_timeout_ms;
+  so.quorum.broken_grace_ms = job.supervise.broken_grace_ms;
+  so.quorum.max_reforms = job.supervise.max_reforms;
   so.print = true;
   so.quorum_wait_ms = job.supervise.quorum_wait_ms;
   if (auto e = recovery::validate(so.quorum))
@@ -269,11 +271,14 @@ int run_worker(const job_options& job) {
     config = std::move(*cfg);
   }
   if (job.job == "train") {
-    // Chaos support (hang@STEP:RANK): SIGUSR1 hangs the trainer's next step.
+    // Chaos support: SIGUSR1 hangs the trainer's next step (hang@STEP:RANK),
+    // SIGUSR2 fails its next step's collectives (fault@STEP:RANK).
     struct sigaction sa {};
     sa.sa_handler = [](int) { actors::request_hang(); };
     sigemptyset(&sa.sa_mask);
     sigaction(SIGUSR1, &sa, nullptr);
+    sa.sa_handler = [](int) { actors::request_fault(); };
+    sigaction(SIGUSR2, &sa, nullptr);
   }
   join_options jo;
   jo.connect_transport = job.job != "train";
@@ -454,6 +459,8 @@ int run_launch(const job_options& job) {
           signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::hang) {
           signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
+        } else if (a.kind == chaos::action_kind::fault) {
+          signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill) {
           if (a.survivable && others_live(a.rank) == 0)
             fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: its group is the last "

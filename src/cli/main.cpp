@@ -73,6 +73,13 @@ int main(int argc, char** argv) {
     cmd->add_option("--quorum-wait-ms", f.quorum_wait_ms,
                     "a broken epoch that finds no quorum this long ends the job")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{86400000}));
+    cmd->add_option("--broken-grace-ms", f.broken_grace_ms,
+                    "a member's report that its step failed with every member alive waits this "
+                    "long for a death to explain it, then the epoch is re-formed")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{3600000}));
+    cmd->add_option("--max-reforms", f.max_reforms,
+                    "epochs re-formed in a row with no step committed before the job fails")
+      ->capture_default_str()->check(CLI::Range(1u, 1000u));
   };
   add_job_flags(coord); // the job it supervises (train: epochs, retries, catch-up)
   add_supervise_flags(coord);

@@ -32,6 +32,9 @@ caf::error validate(const quorum_options& o) {
   if (o.heartbeat_timeout_ms <= 0)
     return make_error(errc::invalid_argument,
                       "heartbeat_timeout_ms must be > 0, got " + std::to_string(o.heartbeat_timeout_ms));
+  if (o.broken_grace_ms < 0)
+    return make_error(errc::invalid_argument,
+                      "broken_grace_ms must be >= 0, got " + std::to_string(o.broken_grace_ms));
   return {};
 }
 
@@ -92,6 +95,7 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
   };
 
   std::vector<member> survivors;
+  std::vector<const participant*> broken; // survivors that reported the epoch broken
   std::vector<lost_member> lost;
   std::vector<const participant*> joiners; // sorted by group (map order)
   std::set<group_id> member_groups;
@@ -107,6 +111,8 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
       lost.push_back({m, "silent since " + t(p->last_heartbeat_ms)});
     } else {
       survivors.push_back(m);
+      if (p->broken_since_ms != 0)
+        broken.push_back(p);
     }
   }
   for (const auto& [g, p] : newest) {
@@ -126,6 +132,19 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
   for (const auto& l : lost)
     lost_ids.push_back(l.who);
 
+  // A broken epoch: due once the earliest report is broken_grace_ms old.
+  std::optional<int64_t> broken_due_ms;
+  std::string broken_text;
+  for (const auto* p : broken) {
+    const int64_t due = p->broken_since_ms + o.broken_grace_ms;
+    broken_due_ms = broken_due_ms ? std::min(*broken_due_ms, due) : due;
+    broken_text += (broken_text.empty() ? "" : ", ") + to_string(p->who) + " ("
+                   + (p->broken_reason.empty() ? "no reason given" : p->broken_reason) + ")";
+  }
+  if (!broken.empty())
+    broken_text = "epoch " + std::to_string(cur.id) + " broke at " + broken_text;
+  const bool broken_due = broken_due_ms && now_ms >= *broken_due_ms;
+
   quorum_decision d;
   d.epoch = cur;
   auto finish = [&](decision_kind kind, std::string reason) {
@@ -139,6 +158,7 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
     std::sort(members.begin(), members.end());
     d.epoch = {cur.id + 1, std::move(members)};
     d.changed = true;
+    d.abort_running = !broken.empty();
     for (const auto& m : d.epoch.members)
       if (!std::binary_search(cur.members.begin(), cur.members.end(), m))
         d.joined.push_back(m);
@@ -157,13 +177,34 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
     return finish(decision_kind::new_epoch, std::move(reason));
   };
   const std::string lost_text = lost.empty() ? "" : "; lost " + describe(lost);
+  // Where the epoch would be kept: re-formed instead once a report of it
+  // broken is due (or, after max_reforms in a row, given up on).
+  auto keep_or_reform = [&](std::string keep_reason, const std::string& window) {
+    if (broken_due) {
+      if (state.reforms_in_a_row >= o.max_reforms)
+        return finish(decision_kind::fail,
+                      broken_text + "; re-formed " + std::to_string(state.reforms_in_a_row)
+                          + " times in a row with no step committed; restart from checkpoint "
+                            "needed");
+      d.reform = true;
+      return form(survivors, broken_text + " while every member lives: re-formed"
+                                 + (window.empty() ? "" : "; " + window));
+    }
+    if (broken_due_ms) {
+      d.retry_at_ms = d.retry_at_ms ? std::min(*d.retry_at_ms, *broken_due_ms) : *broken_due_ms;
+      keep_reason += "; " + broken_text + ", re-formed at " + t(*broken_due_ms)
+                     + " unless a death explains it";
+    }
+    return finish(decision_kind::keep, std::move(keep_reason));
+  };
 
   // 1. The fast path.
   if (lost.empty() && joiners.empty()) {
     if (cur.members.empty())
       return finish(decision_kind::wait, "no epoch yet and no live replica group registered");
-    return finish(decision_kind::keep, "epoch " + std::to_string(cur.id) + ": all " +
-                                           groups(cur.members.size()) + " live, nobody joining");
+    return keep_or_reform("epoch " + std::to_string(cur.id) + ": all "
+                            + groups(cur.members.size()) + " live, nobody joining",
+                          "");
   }
 
   std::vector<member> all = survivors;
@@ -215,7 +256,7 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
       if (lost.empty()) {
         if (cur.members.empty())
           return finish(decision_kind::wait, "no epoch yet: " + window);
-        return finish(decision_kind::keep, "epoch " + std::to_string(cur.id) + " kept: " + window);
+        return keep_or_reform("epoch " + std::to_string(cur.id) + " kept: " + window, window);
       }
       if (survivors.size() >= o.min_replicas && 2 * survivors.size() > known)
         return form(survivors, window);

@@ -49,6 +49,19 @@
 //        - otherwise WAIT for the window.
 //      retry_at_ms says when the window closes.
 //   6. otherwise NEW EPOCH: id + 1, the live groups sorted by group id.
+//
+// A broken epoch. A survivor may report that the current epoch broke at it
+// (a step that failed, or an epoch it could not build) though nobody died:
+// a transport error, a collective that timed out, an injected fault. Its
+// peers then wait in a collective that will never complete. The report is
+// acted on once it is broken_grace_ms old (a death that explains it is
+// normally seen first, and then the rules above replace the epoch anyway):
+// where rule 1 or rule 5 would KEEP the epoch, a NEW EPOCH of the same
+// survivors re-forms it instead (`reform`; joiners in an open window stay
+// pending), and every new epoch formed while such a report stands asks its
+// members to abort the running one at once (`abort_running`). After
+// max_reforms re-forms in a row with no step committed between them, the
+// failure is not transient: FAIL, restart from checkpoint needed.
 // Reason texts hold no `now`-dependent numbers (times are absolute), so the
 // same situation gives the same text tick after tick and reason_changed()
 // lets a caller log it only when it changes.
@@ -79,6 +92,10 @@ struct participant {
   int64_t last_heartbeat_ms = 0;
   /// When this incarnation registered (asked to join); read for joiners only.
   int64_t joined_ms = 0;
+  /// Members only: when it reported that the current epoch broke at it
+  /// (0: no report), and why.
+  int64_t broken_since_ms = 0;
+  std::string broken_reason;
 };
 
 struct quorum_state {
@@ -92,6 +109,8 @@ struct quorum_state {
   /// Groups heard from (heartbeating) that cannot join yet: restarted
   /// groups still catching up. They count in the majority's denominator.
   uint32_t heard_not_ready = 0;
+  /// Epochs re-formed in a row (`reform`) with no step committed since.
+  uint32_t reforms_in_a_row = 0;
 };
 
 struct quorum_options {
@@ -102,6 +121,11 @@ struct quorum_options {
   int64_t join_window_ms = 0;
   /// Silence longer than this is death.
   int64_t heartbeat_timeout_ms = 800;
+  /// How long a member's report of a broken epoch waits for a death that
+  /// would explain it before the epoch is re-formed.
+  int64_t broken_grace_ms = 500;
+  /// Re-forms in a row without a committed step before the job fails.
+  uint32_t max_reforms = 3;
 };
 
 /// errc::invalid_argument naming the bad field, or no error.
@@ -130,8 +154,14 @@ struct quorum_decision {
   std::vector<member> left;
   /// Live joiners not in `epoch`, waiting for their window.
   std::vector<member> pending;
-  /// When a join window closes and the decision may change by itself.
+  /// When a join window closes, or a broken epoch's grace ends, and the
+  /// decision may change by itself.
   std::optional<int64_t> retry_at_ms;
+  /// new_epoch: it re-forms a broken epoch whose members all live.
+  bool reform = false;
+  /// new_epoch: a member reported the current epoch broken; the members
+  /// abort it at once rather than at their next step boundary.
+  bool abort_running = false;
 };
 
 /// The decision for `state` at `now_ms`. Preconditions (checked): valid

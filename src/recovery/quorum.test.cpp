@@ -26,7 +26,11 @@ epoch make_epoch(uint64_t id, std::vector<member> ms) {
 
 /// A participant last heard `silence` ms before `now`, registered at `joined`.
 participant hb(member m, int64_t now, int64_t silence = 10, int64_t joined = 0) {
-  return {m, now - silence, joined};
+  participant p;
+  p.who = m;
+  p.last_heartbeat_ms = now - silence;
+  p.joined_ms = joined;
+  return p;
 }
 
 } // namespace
@@ -265,7 +269,7 @@ TEST_CASE("quorum: reason_changed logs a situation once") {
     // Groups 2 and 3 went silent at t=9000 and two groups are catching up:
     // no majority, tick after tick.
     s.heard_not_ready = 2;
-    s.participants = {hb({0, 1}, now), hb({1, 1}, now), {{2, 1}, 9000, 0}, {{3, 1}, 9000, 0}};
+    s.participants = {hb({0, 1}, now), hb({1, 1}, now), hb({2, 1}, 9000, 0), hb({3, 1}, 9000, 0)};
     auto d = compute_quorum(s, now, opts(2));
     CHECK(d.kind == decision_kind::wait);
     if (reason_changed(logged, d)) {
@@ -275,7 +279,7 @@ TEST_CASE("quorum: reason_changed logs a situation once") {
   }
   CHECK(logs == 1);
   // Group 2 comes back as a new incarnation: the situation, and the reason, change.
-  s.participants.push_back({{2, 2}, 12'000, 12'000});
+  s.participants.push_back(hb({2, 2}, 12'000, 0, 12'000));
   auto d = compute_quorum(s, 12'000, opts(2));
   CHECK(reason_changed(logged, d));
 }
@@ -285,4 +289,94 @@ TEST_CASE("quorum: options are validated") {
   CHECK(code_of(validate(quorum_options{0, 0, 800})) == errc::invalid_argument);
   CHECK(code_of(validate(quorum_options{1, -1, 800})) == errc::invalid_argument);
   CHECK(code_of(validate(quorum_options{1, 0, 0})) == errc::invalid_argument);
+}
+
+namespace {
+
+/// A live member that reported the current epoch broken at `since`.
+participant broke(member m, int64_t now, int64_t since, std::string why = "injected fault") {
+  auto p = hb(m, now);
+  p.broken_since_ms = since;
+  p.broken_reason = std::move(why);
+  return p;
+}
+
+} // namespace
+
+TEST_CASE("quorum: an epoch broken while every member lives is re-formed after the grace") {
+  const int64_t now = 10'000;
+  quorum_state s;
+  s.current = make_epoch(5, {{0, 1}, {1, 1}, {2, 1}});
+  auto o = opts(1);
+  o.broken_grace_ms = 500;
+
+  SUBCASE("within the grace: kept, with the time it is due") {
+    s.participants = {hb({0, 1}, now), broke({1, 1}, now, now - 100), hb({2, 1}, now)};
+    auto d = compute_quorum(s, now, o);
+    CHECK(d.kind == decision_kind::keep);
+    CHECK_FALSE(d.changed);
+    REQUIRE(d.retry_at_ms);
+    CHECK(*d.retry_at_ms == now + 400);
+    CHECK(d.reason.find("epoch 5 broke at g1#1 (injected fault)") != std::string::npos);
+    // The same situation a tick later gives the same text (nothing to log).
+    CHECK_FALSE(reason_changed(d, compute_quorum(s, now + 50, o)));
+  }
+  SUBCASE("past the grace: the same members in a new epoch that aborts the running one") {
+    s.participants = {hb({0, 1}, now), broke({1, 1}, now, now - 500, "a collective timed out"),
+                      broke({2, 1}, now, now - 20)};
+    auto d = compute_quorum(s, now, o);
+    CHECK(d.kind == decision_kind::new_epoch);
+    CHECK(d.reform);
+    CHECK(d.abort_running);
+    CHECK(d.epoch == make_epoch(6, s.current.members));
+    CHECK(d.joined.empty());
+    CHECK(d.left.empty());
+    CHECK(d.reason.find("epoch 5 broke at g1#1 (a collective timed out), g2#1 (injected fault)")
+          != std::string::npos);
+    CHECK(d.reason.find("re-formed") != std::string::npos);
+  }
+  SUBCASE("a death explains it: the survivors' epoch as usual, aborting the running one") {
+    s.participants = {hb({0, 1}, now), broke({1, 1}, now, now - 10), hb({2, 1}, now, timeout + 1)};
+    auto d = compute_quorum(s, now, o);
+    CHECK(d.kind == decision_kind::new_epoch);
+    CHECK_FALSE(d.reform);
+    CHECK(d.abort_running);
+    CHECK(d.epoch == make_epoch(6, {{0, 1}, {1, 1}}));
+    CHECK(d.left == std::vector<member>{{2, 1}});
+  }
+  SUBCASE("joiners in an open window stay pending while the broken epoch is re-formed") {
+    s.participants = {hb({0, 1}, now), broke({1, 1}, now, now - 600), hb({2, 1}, now),
+                      hb({3, 1}, now, 10, now - 100)};
+    auto d = compute_quorum(s, now, o);
+    CHECK(d.kind == decision_kind::new_epoch);
+    CHECK(d.reform);
+    CHECK(d.epoch == make_epoch(6, s.current.members));
+    CHECK(d.pending == std::vector<member>{{3, 1}});
+  }
+  SUBCASE("a report by a member that is not a survivor counts for nothing") {
+    // Group 1's old incarnation broke; its new incarnation supersedes it.
+    auto old = broke({1, 1}, now, now - 600);
+    old.last_heartbeat_ms = now - timeout - 1;
+    s.participants = {hb({0, 1}, now), old, hb({2, 1}, now)};
+    auto d = compute_quorum(s, now, o);
+    CHECK(d.kind == decision_kind::new_epoch);
+    CHECK_FALSE(d.reform);
+    CHECK_FALSE(d.abort_running);
+    CHECK(d.left == std::vector<member>{{1, 1}});
+  }
+  SUBCASE("too many re-forms in a row: a clear failure") {
+    s.participants = {hb({0, 1}, now), broke({1, 1}, now, now - 600), hb({2, 1}, now)};
+    s.reforms_in_a_row = 3;
+    o.max_reforms = 3;
+    auto d = compute_quorum(s, now, o);
+    CHECK(d.kind == decision_kind::fail);
+    CHECK(d.reason.find("re-formed 3 times in a row with no step committed") != std::string::npos);
+    CHECK(d.reason.find("restart from checkpoint needed") != std::string::npos);
+    s.reforms_in_a_row = 2;
+    CHECK(compute_quorum(s, now, o).kind == decision_kind::new_epoch);
+  }
+  SUBCASE("a negative grace is a bad option") {
+    o.broken_grace_ms = -1;
+    CHECK(code_of(validate(o)) == errc::invalid_argument);
+  }
 }

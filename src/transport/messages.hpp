@@ -154,7 +154,12 @@ struct worker_status {
   /// The catch-up session it holds (catching_up, ready) or that failed (fresh).
   uint64_t session = 0;
   int64_t mono_ns = 0;
-  MSGPACK_DEFINE(incarnation, epoch, step, state, session, mono_ns)
+  /// The newest epoch whose step failed here, or that this worker could not
+  /// build (0: none), and why. The coordinator re-forms that epoch when it
+  /// is still current and no death explains the failure.
+  uint64_t broken_epoch = 0;
+  std::string broken_reason;
+  MSGPACK_DEFINE(incarnation, epoch, step, state, session, mono_ns, broken_epoch, broken_reason)
   bool operator==(const worker_status&) const = default;
 };
 
@@ -172,7 +177,11 @@ struct epoch_notice {
   /// Members of this epoch found dead since it began (the epoch is broken
   /// and no new one could form yet): their peers stop waiting for them.
   std::vector<uint32_t> lost;
-  MSGPACK_DEFINE(epoch, ranks, incarnations, fail, reason, lost)
+  /// The running epoch broke though its members live (a step that failed
+  /// without a death): its members abort it at once instead of switching
+  /// at their next step boundary.
+  bool abort_running = false;
+  MSGPACK_DEFINE(epoch, ranks, incarnations, fail, reason, lost, abort_running)
   bool operator==(const epoch_notice&) const = default;
 };
 

@@ -25,9 +25,9 @@ kv_get sample(type_list<kv_get>) { return {17, "epoch/3/host/1", 5000}; }
 kv_value sample(type_list<kv_value>) { return {17, "epoch/3/host/1", true, bytes{4, 5}}; }
 kv_drop sample(type_list<kv_drop>) { return {"epoch/3/"}; }
 worker_status sample(type_list<worker_status>) {
-  return {0x1234567890ull, 7, 1200, worker_status::ready, 4, 987654321};
+  return {0x1234567890ull, 7, 1200, worker_status::ready, 4, 987654321, 6, "injected fault"};
 }
-epoch_notice sample(type_list<epoch_notice>) { return {8, {0, 2, 3}, {11, 12, 13}, false, "g1 lost", {1}}; }
+epoch_notice sample(type_list<epoch_notice>) { return {8, {0, 2, 3}, {11, 12, 13}, false, "g1 lost", {1}, true}; }
 catchup_assign sample(type_list<catchup_assign>) { return {3, 1, 99, 2}; }
 heartbeat sample(type_list<heartbeat>) { return {42, -7}; }
 token sample(type_list<token>) { return {1, 2, 3, 99}; }
