@@ -41,7 +41,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       return make_error(errc::invalid_argument,
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
                                     "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS, "
-                                    "hang@STEP:RANK, fault@STEP:RANK, kill-source@STEP)",
+                                    "hang@STEP:RANK, fault@STEP:RANK[:TIMES], kill-source@STEP)",
                                     item, why));
     };
     auto at = item.find('@');
@@ -62,6 +62,11 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
                : verb == "hang" ? action_kind::hang
                                 : action_kind::fault;
       size_t want = a.kind == action_kind::stop ? 3 : 2;
+      if (a.kind == action_kind::fault && args.size() == 3) {
+        if (!number(args[2], a.times) || a.times < 1 || a.times > 100)
+          return bad("the fault count is not a number from 1 to 100");
+        want = 3;
+      }
       if (args.size() != want)
         return bad(fmt::format("expected {} fields after @", want));
       if (!number(args[1], a.rank))
@@ -85,12 +90,13 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
 }
 
 std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
-                                uint64_t last_step, uint32_t world_size) {
+                                uint64_t last_step, uint32_t world_size, size_t faults) {
   std::vector<action> plan;
   if (last_step < first_step || world_size == 0)
     return plan;
   uint64_t span = last_step - first_step + 1;
   kills = std::min<size_t>(kills, span);
+  faults = std::min<size_t>(faults, span - kills);
   uint64_t counter = 0;
   auto draw = [&] { return splitmix64(seed + 0x9e3779b97f4a7c15ull * ++counter); };
   std::set<uint64_t> steps;
@@ -98,6 +104,17 @@ std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step
     steps.insert(first_step + draw() % span);
   for (auto s : steps)
     plan.push_back({action_kind::kill, s, static_cast<uint32_t>(draw() % world_size), 0, true});
+  // Faults after the kills are drawn, so that a seed's kills stay the same.
+  std::set<uint64_t> fault_steps;
+  while (fault_steps.size() < faults) {
+    auto s = first_step + draw() % span;
+    if (!steps.count(s))
+      fault_steps.insert(s);
+  }
+  for (auto s : fault_steps)
+    plan.push_back({action_kind::fault, s, static_cast<uint32_t>(draw() % world_size), 0, false});
+  std::stable_sort(plan.begin(), plan.end(),
+                   [](const action& x, const action& y) { return x.at_step < y.at_step; });
   return plan;
 }
 
@@ -115,7 +132,11 @@ std::string to_string(const std::vector<action>& plan) {
         break;
       case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
       case action_kind::hang: out += fmt::format("hang@{}:{}", a.at_step, a.rank); break;
-      case action_kind::fault: out += fmt::format("fault@{}:{}", a.at_step, a.rank); break;
+      case action_kind::fault:
+        out += fmt::format("fault@{}:{}", a.at_step, a.rank);
+        if (a.times != 1)
+          out += fmt::format(":{}", a.times);
+        break;
     }
   }
   return out;

@@ -7,9 +7,10 @@
 //   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
 //   hang@S:R           SIGUSR1 rank R at step S: its trainer's next computation
 //                      hangs for good (a stuck kernel), for the step watchdog
-//   fault@S:R          SIGUSR2 rank R at step S: its next step's collectives
-//                      fail (a transport error) though every process lives,
-//                      for the coordinator to re-form the broken epoch
+//   fault@S:R[:N]      SIGUSR2 rank R at step S, N times (1 by default): its
+//                      next N step attempts fail in their collectives (a
+//                      transport error) though every process lives, for the
+//                      coordinator to re-form the broken epoch
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
@@ -37,6 +38,7 @@ struct action {
   /// Survivable only: skipped when its target is the last live member (the
   /// random kills are; a written plan means what it says).
   bool survivable = false;
+  uint32_t times = 1; // fault
   bool operator==(const action&) const = default;
 };
 
@@ -44,11 +46,12 @@ struct action {
 /// invalid_argument naming the bad action.
 expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_size);
 
-/// `kills` survivable SIGKILLs at distinct steps drawn from [first_step,
-/// last_step], each of a rank drawn from [0, world_size), sorted by step.
-/// Deterministic in its arguments.
+/// `kills` survivable SIGKILLs and then `faults` single faults, all at
+/// distinct steps drawn from [first_step, last_step], each of a rank drawn
+/// from [0, world_size), sorted by step. Deterministic in its arguments; the
+/// kills do not depend on `faults`.
 std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
-                                uint64_t last_step, uint32_t world_size);
+                                uint64_t last_step, uint32_t world_size, size_t faults = 0);
 
 /// The text form of a plan (parse_plan reads it back).
 std::string to_string(const std::vector<action>& plan);

@@ -5,15 +5,16 @@
 using namespace cmesh::chaos;
 
 TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
-  auto p = parse_plan("stop@8:2:3000,kill@5:1,kill-source@9,hang@12:3,fault@14:0", 4);
+  auto p = parse_plan("stop@8:2:3000,kill@5:1,kill-source@9,hang@12:3,fault@14:0,fault@15:2:3", 4);
   REQUIRE(p);
-  REQUIRE(p->size() == 5);
+  REQUIRE(p->size() == 6);
   CHECK((*p)[3] == action{action_kind::hang, 12, 3, 0});
   CHECK((*p)[4] == action{action_kind::fault, 14, 0, 0});
+  CHECK((*p)[5] == action{action_kind::fault, 15, 2, 0, false, 3});
   CHECK((*p)[0] == action{action_kind::kill, 5, 1, 0});
   CHECK((*p)[1] == action{action_kind::stop, 8, 2, 3000});
   CHECK((*p)[2].kind == action_kind::kill_source);
-  CHECK(to_string(*p) == "kill@5:1,stop@8:2:3000,kill-source@9,hang@12:3,fault@14:0");
+  CHECK(to_string(*p) == "kill@5:1,stop@8:2:3000,kill-source@9,hang@12:3,fault@14:0,fault@15:2:3");
   auto again = parse_plan(to_string(*p), 4);
   REQUIRE(again);
   CHECK(*again == *p);
@@ -25,7 +26,8 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
 TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
   for (const char* bad : {"kill@5", "kill@x:1", "kill@5:9", "stop@5:1", "stop@5:1:0",
                           "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,", "hang@3",
-                          "hang@3:7", "fault@3", "fault@3:9"}) {
+                          "hang@3:7", "fault@3", "fault@3:9", "fault@3:1:0", "fault@3:1:101",
+                          "fault@3:1:2:2"}) {
     auto p = parse_plan(bad, 4);
     CAPTURE(bad);
     REQUIRE_FALSE(p);
@@ -48,6 +50,24 @@ TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in r
       CHECK(a[i].at_step > a[i - 1].at_step);
   }
   CHECK(random_plan(1, 10, 5, 6, 2).size() == 2); // only two steps to pick from
+  // Faults: at steps of their own; the kills stay those of the seed.
+  auto f = random_plan(42, 5, 2, 30, 4, 3);
+  REQUIRE(f.size() == 8);
+  std::vector<action> kills_of_f;
+  size_t faults = 0;
+  for (size_t i = 0; i < f.size(); ++i) {
+    if (i > 0)
+      CHECK(f[i].at_step > f[i - 1].at_step);
+    if (f[i].kind == action_kind::kill)
+      kills_of_f.push_back(f[i]);
+    faults += f[i].kind == action_kind::fault ? 1 : 0;
+  }
+  CHECK(faults == 3);
+  CHECK(kills_of_f == a);
+  CHECK(random_plan(1, 1, 5, 6, 2, 5).size() == 2);
+  auto fb = parse_plan(to_string(f), 4);
+  REQUIRE(fb);
+  CHECK(*fb == f);
   // Random kills are survivable, and say so in the text form.
   CHECK(a[0].survivable);
   auto back = parse_plan(to_string(a), 4);

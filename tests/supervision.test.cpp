@@ -375,6 +375,25 @@ TEST_CASE("every group dead, or too many at once: a clear error, nothing committ
     REQUIRE(failed >= 0);
     CHECK(find_event(j.events, 0, "epoch", [](auto& e) { return e.field("members") == "[0]"; }) < 0);
   }
+  SUBCASE("a step that fails at every retry with everyone alive: an error after --max-reforms") {
+    auto j = launch("-n 3 --broken-grace-ms 100 --max-reforms 2 --chaos fault@5:1:3");
+    INFO(j.r.output);
+    CHECK(j.r.exit_code == 1);
+    CHECK(j.r.output.find("re-formed 2 times in a row with no step committed; restart from "
+                          "checkpoint needed")
+          != std::string::npos);
+    CHECK(weights_of(j.r.output).empty());
+    size_t reforms = 0;
+    for (auto& e : j.events)
+      reforms += e.name == "epoch" && e.field("abort_running") == "true" ? 1 : 0;
+    CHECK(reforms == 2);
+    int failed = find_event(j.events, 0, "failed", [](auto&) { return true; });
+    REQUIRE(failed >= 0);
+    // Nothing committed after the step that kept failing.
+    CHECK(find_event(j.events, 0, "first_commit", [&](auto& e) {
+            return e.num("epoch") > 1;
+          }) < 0);
+  }
   SUBCASE("two of three dead at once, restarted: rebuilt from the survivor") {
     auto j = launch("-n 3 --restart-delay-ms 100 --chaos kill@5:1,kill@5:2");
     INFO(j.r.output);

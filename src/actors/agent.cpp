@@ -376,6 +376,9 @@ void agent::impl::on_control(const control_message& m) {
       }
     } else if (!newest || n->epoch > newest->epoch) {
       newest = *n;
+    } else if (n->epoch == newest->epoch && n->abort_running) {
+      // The newest epoch again: the one before it broke after it came.
+      newest->abort_running = true;
     }
     abort_if_left_out();
   } else if (auto* a = std::get_if<wire::catchup_assign>(&m)) {

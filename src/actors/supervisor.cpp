@@ -74,6 +74,13 @@ struct supervisor::impl {
   bool first_commit_seen = true;
   int64_t last_failure_ms = 0;
   uint32_t reforms_in_a_row = 0; // broken epochs re-formed with no commit since
+  /// The epoch before the current one, when the current one left nobody
+  /// out of it (a grow or a re-form; 0 otherwise): its members may still
+  /// run it until their agreed switch.
+  uint64_t kept_everyone_of = 0;
+  /// The current epoch's notice aborts the one before (it said so when it
+  /// was announced, or went again to say so).
+  bool aborts_previous = false;
   std::thread thread;
 
   impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
@@ -207,13 +214,30 @@ void supervisor::impl::on_event(const worker_event& ev) {
         w.broken_since_ms = now;
         const bool current_epoch = is_member(ev.rank, w.incarnation)
                                    && ev.status.broken_epoch == current.id;
+        if (!current_epoch && !failed && !aborts_previous && is_member(ev.rank, w.incarnation)
+            && ev.status.broken_epoch == kept_everyone_of) {
+          // The epoch before the current one broke after the current one
+          // was announced (a join raced the failure). Its members switch
+          // at their next agreed step boundary, which the broken step will
+          // never reach: the current epoch goes again, telling them to
+          // abort that one now.
+          aborts_previous = true;
+          last_failure_ms = now;
+          auto n = current_notice(fmt::format("epoch {} broke at rank {} ({}) after epoch {} was "
+                                              "announced",
+                                              ev.status.broken_epoch, ev.rank,
+                                              ev.status.broken_reason, current.id));
+          n.abort_running = true;
+          coord.send_control(std::nullopt, n);
+          say(n.reason + "; its members abort it");
+        }
         if (current_epoch)
           last_failure_ms = now;
         log->emit("epoch_broken", {{"rank", uint64_t{ev.rank}},
                                    {"epoch", ev.status.broken_epoch},
                                    {"current", current_epoch},
                                    {"reason", ev.status.broken_reason}});
-        if (current_epoch)
+        if (current_epoch && !failed)
           say(fmt::format("rank {}: epoch {} broke: {}", ev.rank, ev.status.broken_epoch,
                           ev.status.broken_reason));
       }
@@ -400,6 +424,8 @@ void supervisor::impl::decide(int64_t now) {
         base = std::max(base, workers[rank].st.step);
       if (d.reform)
         ++reforms_in_a_row;
+      kept_everyone_of = d.left.empty() ? current.id - 1 : 0;
+      aborts_previous = d.abort_running;
       announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()),
                      d.abort_running);
       for (auto r : ranks_of(d.joined, S()))

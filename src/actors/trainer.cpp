@@ -31,7 +31,7 @@ namespace cmesh::actors {
 namespace {
 
 std::atomic<bool> hang_requested{false};
-std::atomic<bool> fault_requested{false};
+std::atomic<int> faults_requested{0};
 
 /// A chaos hang: the computation never ends (until the process is killed).
 void maybe_hang() {
@@ -90,7 +90,7 @@ void request_hang() {
 }
 
 void request_fault() {
-  fault_requested.store(true, std::memory_order_relaxed);
+  faults_requested.fetch_add(1, std::memory_order_relaxed);
 }
 
 struct trainer::impl {
@@ -486,7 +486,8 @@ expected<train_result> trainer::run() {
       I.sup->at_boundary(st);
     const uint64_t step = st.step;
     auto& comm = *I.comm;
-    if (fault_requested.exchange(false, std::memory_order_relaxed)) {
+    if (faults_requested.load(std::memory_order_relaxed) > 0) {
+      faults_requested.fetch_sub(1, std::memory_order_relaxed);
       // A chaos fault: this rank's communicators break as on a transport
       // error; the process and its peers live on.
       spdlog::warn("trainer: chaos fault: step {}'s collectives fail on this rank", step);

@@ -193,9 +193,9 @@ public:
 /// stuck kernel), so the step watchdog can be tested. Async-signal-safe.
 void request_hang();
 
-/// Chaos support: makes the collectives of the trainer's next step fail on
-/// this rank, as on a transport error, while every process lives on.
-/// Async-signal-safe.
+/// Chaos support: makes the collectives of the trainer's next step attempt
+/// fail on this rank, as on a transport error, while every process lives
+/// on; each call fails one more attempt. Async-signal-safe.
 void request_fault();
 
 struct trainer_options {

@@ -350,10 +350,11 @@ int run_launch(const job_options& job) {
       return 2;
     }
     plan = std::move(*p);
-    if (job.supervise.chaos_kills > 0) {
+    if (job.supervise.chaos_kills > 0 || job.supervise.chaos_faults > 0) {
       auto first = job.supervise.chaos_first_step;
       auto more = chaos::random_plan(job.supervise.chaos_seed, job.supervise.chaos_kills, first,
-                                     target > first + 2 ? target - 2 : first, job.world_size);
+                                     target > first + 2 ? target - 2 : first, job.world_size,
+                                     job.supervise.chaos_faults);
       plan.insert(plan.end(), more.begin(), more.end());
       std::stable_sort(plan.begin(), plan.end(),
                        [](auto& a, auto& b) { return a.at_step < b.at_step; });
@@ -417,7 +418,8 @@ int run_launch(const job_options& job) {
     auto signal_rank = [&](uint32_t r, int sig, const char* name, uint64_t step) {
       if (!workers[r].running())
         return;
-      signalled_down[r] = sig != SIGCONT;
+      if (sig != SIGUSR2) // a fault breaks a step, not the process
+        signalled_down[r] = sig != SIGCONT;
       fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
                  workers[r].pid(), step, secs_since_start());
       std::fflush(stdout);
@@ -460,7 +462,13 @@ int run_launch(const job_options& job) {
         } else if (a.kind == chaos::action_kind::hang) {
           signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::fault) {
-          signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
+          // One signal per failed attempt; apart, so that none merges with
+          // one still pending.
+          for (uint32_t k = 0; k < a.times; ++k) {
+            if (k > 0)
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
+          }
         } else if (a.kind == chaos::action_kind::kill) {
           if (a.survivable && others_live(a.rank) == 0)
             fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: its group is the last "

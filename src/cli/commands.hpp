@@ -24,6 +24,7 @@ struct supervise_flags {
   uint32_t max_restarts = 3;        // launch: per rank
   std::string chaos;                // launch: a chaos plan (chaos/plan.hpp)
   size_t chaos_kills = 0;           // launch: random kills ...
+  size_t chaos_faults = 0;          // ... and faults (a step failing, nobody dying) ...
   uint64_t chaos_seed = 1;          // ... drawn with this seed
   uint64_t chaos_first_step = 2;    // ... at this step or later
 };

@@ -100,14 +100,18 @@ int main(int argc, char** argv) {
   launch->add_option("--max-restarts", job.supervise.max_restarts, "restarts per rank")
     ->capture_default_str();
   launch->add_option("--chaos", job.supervise.chaos,
-                     "faults to inject: kill@STEP:RANK, stop@STEP:RANK:MS, kill-source@STEP "
-                     "(comma-separated)");
+                     "faults to inject: kill@STEP:RANK, stop@STEP:RANK:MS, hang@STEP:RANK, "
+                     "fault@STEP:RANK[:TIMES], kill-source@STEP (comma-separated)");
   launch->add_option("--chaos-kills", job.supervise.chaos_kills,
                      "SIGKILLs of random ranks at random steps, drawn with --chaos-seed");
-  launch->add_option("--chaos-seed", job.supervise.chaos_seed, "seed of --chaos-kills")
+  launch->add_option("--chaos-faults", job.supervise.chaos_faults,
+                     "steps of random ranks made to fail with every process alive (fault@), "
+                     "at random steps, drawn with --chaos-seed");
+  launch->add_option("--chaos-seed", job.supervise.chaos_seed,
+                     "seed of --chaos-kills and --chaos-faults")
     ->capture_default_str();
   launch->add_option("--chaos-first-step", job.supervise.chaos_first_step,
-                     "the random kills fall at this step or later")
+                     "the random kills and faults fall at this step or later")
     ->capture_default_str();
 
   try {
