@@ -1,7 +1,9 @@
 // Recovery benchmark.
 //
 //  1. Kill -> survivors' next committed step, p50 and p99 over seeded
-//     SIGKILLs, for 4x1, 2x2 and 2x1 (replica groups x ranks per group).
+//     SIGKILLs, for 4x1, 2x2 and 2x1 (replica groups x ranks per group);
+//     then a fault (a step failing with every process alive) -> the next
+//     committed step, through the epoch re-formed with the same members.
 //  2. Catch-up of a restarted group by model size: time from its catch-up
 //     assignment to its admission, and the snapshot's transfer rate beside
 //     this machine's memcpy rate and the host backend's broadcast of the
@@ -16,12 +18,12 @@
 // timestamps shared by all processes) and the workers' log lines.
 //
 //   cmesh_bench_recovery [--kills N] [--seed S] [--quick] [--catchup-only]
-//                        [--broadcast BYTES]
+//                        [--latency-only] [--broadcast BYTES]
 //
 // --quick: 4 kills per layout and the two smaller models; --catchup-only:
 // parts 2 and 3 alone (what a machine with more cores than this one's two
 // is lent for: there a survivor's serving thread and the joiner each have a
-// core of their own, beside the trainers').
+// core of their own, beside the trainers'); --latency-only: part 1 alone.
 #include "actors/agent.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "common/launch.hpp"
@@ -97,6 +99,15 @@ double percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+/// Appends the time from event i to the next first commit, if any.
+void to_next_commit(const std::vector<event>& ev, size_t i, std::vector<double>& out) {
+  for (size_t j = i + 1; j < ev.size(); ++j)
+    if (ev[j].name == "first_commit") {
+      out.push_back(ev[j].mono_ms - ev[i].mono_ms);
+      return;
+    }
+}
+
 /// For every chaos SIGKILL of a member of the running epoch, the time to
 /// the next first_commit after it. A kill of a rank that is not a member
 /// (restarting or catching up) does not touch the survivors' steps: it
@@ -112,13 +123,19 @@ std::vector<double> kill_to_commit(const std::vector<event>& ev) {
         member = ev[j].field("member") == "true";
         break;
       }
-    if (!member)
-      continue;
-    for (size_t j = i + 1; j < ev.size(); ++j)
-      if (ev[j].name == "first_commit") {
-        out.push_back(ev[j].mono_ms - ev[i].mono_ms);
-        break;
-      }
+    if (member)
+      to_next_commit(ev, i, out);
+  }
+  return out;
+}
+
+/// From each chaos fault (SIGUSR2: a step fails, every process alive) to
+/// the next committed step.
+std::vector<double> fault_to_commit(const std::vector<event>& ev) {
+  std::vector<double> out;
+  for (size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i].name == "chaos" && ev[i].field("signal").find("SIGUSR2") != std::string::npos)
+      to_next_commit(ev, i, out);
   }
   return out;
 }
@@ -222,6 +239,37 @@ void kill_latency_table(int kills, uint64_t seed) {
              "skipped (no group would be left).\n\n");
 }
 
+/// Part 1b: a step that fails with every process alive (chaos fault@) ->
+/// the next committed step, through the epoch re-formed with the same
+/// members, at two grace periods.
+void fault_latency_table(int faults, uint64_t seed) {
+  fmt::print("## fault (a step fails, every process alive) -> next committed step\n\n");
+  fmt::print("Without a re-form, the failed rank would wait 120 s for an epoch and its\n"
+             "peers 30 s in a collective, then restart. Here nobody restarts.\n\n");
+  fmt::print("| layout | --broken-grace-ms | faults timed | p50 ms | p99 ms | max ms | restarts |\n"
+             "|---|---|---|---|---|---|---|\n");
+  for (auto [R, S] : {std::pair{4, 1}, {2, 2}}) {
+    for (int grace : {500, 100}) {
+      auto r = launch(fmt::format("-n {} --replicas {} --steps {} --log-every 1000 "
+                                  "--broken-grace-ms {} --chaos-faults {} --chaos-seed {}",
+                                  R * S, R, 30 * faults + 40, grace, faults,
+                                  seed + 100 * (R * S) + 10 * S));
+      auto lat = fault_to_commit(r.events);
+      size_t restarts = 0;
+      for (auto& e : r.events)
+        restarts += e.name == "restart" ? 1 : 0;
+      if (r.status != 0)
+        fmt::print(stderr, "note: a {}x{} fault run ended with status {}\n", R, S, r.status);
+      fmt::print("| {}x{} | {} | {} | {:.0f} | {:.0f} | {:.0f} | {} |\n", R, S, grace, lat.size(),
+                 percentile(lat, 0.5), percentile(lat, 0.99),
+                 lat.empty() ? NAN : *std::max_element(lat.begin(), lat.end()), restarts);
+    }
+  }
+  fmt::print("\nThe time holds the rest of the step the fault fell in, the grace (the\n"
+             "coordinator waits that long for a death that would explain the failure)\n"
+             "and the retried step.\n\n");
+}
+
 struct size_case {
   const char* name;
   size_t d_model, ffn, expert_ffn;
@@ -235,7 +283,7 @@ struct size_case {
 int main(int argc, char** argv) {
   int kills = 20;
   uint64_t seed = 1;
-  bool quick = false, catchup_only = false;
+  bool quick = false, catchup_only = false, latency_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--kills" && i + 1 < argc)
@@ -246,6 +294,8 @@ int main(int argc, char** argv) {
       quick = true;
     else if (a == "--catchup-only")
       catchup_only = true;
+    else if (a == "--latency-only")
+      latency_only = true;
     else if (a == "--broadcast" && i + 1 < argc) {
       const size_t bytes = std::strtoull(argv[++i], nullptr, 10);
       for (bool transfer : {true, false}) {
@@ -256,7 +306,7 @@ int main(int argc, char** argv) {
       return 0;
     } else {
       fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick] "
-                 "[--catchup-only] [--broadcast BYTES]\n");
+                 "[--catchup-only] [--latency-only] [--broadcast BYTES]\n");
       return 2;
     }
   }
@@ -265,8 +315,12 @@ int main(int argc, char** argv) {
   fmt::print("# recovery benchmark: {} seeded kills per layout, seed {}, {} cores\n\n", kills,
              seed, std::thread::hardware_concurrency());
 
-  if (!catchup_only)
+  if (!catchup_only) {
     kill_latency_table(kills, seed);
+    fault_latency_table(kills, seed);
+  }
+  if (latency_only)
+    return 0;
 
   // 2 and 3. Catch-up by model size, and the survivors' stall meanwhile.
   double mem = memcpy_gbps();

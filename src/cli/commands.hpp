@@ -16,7 +16,7 @@ struct supervise_flags {
   int64_t join_window_ms = 500;
   uint32_t min_replicas = 1;
   int64_t quorum_wait_ms = 120000;  // a broken epoch without quorum this long fails the job
-  int64_t broken_grace_ms = 500;    // a member's report of a broken epoch, before a re-form
+  int64_t broken_grace_ms = 200;    // a member's report of a broken epoch, before a re-form
   uint32_t max_reforms = 3;         // re-forms in a row with no commit before the job fails
   int64_t step_timeout_ms = 300000; // worker: the step watchdog (0: off)
   int catchup_nice = 0;              // worker: nice added to its catch-up threads

@@ -123,7 +123,7 @@ struct quorum_options {
   int64_t heartbeat_timeout_ms = 800;
   /// How long a member's report of a broken epoch waits for a death that
   /// would explain it before the epoch is re-formed.
-  int64_t broken_grace_ms = 500;
+  int64_t broken_grace_ms = 200;
   /// Re-forms in a row without a committed step before the job fails.
   uint32_t max_reforms = 3;
 };
