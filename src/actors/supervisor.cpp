@@ -305,6 +305,8 @@ bool supervisor::impl::adopt(int64_t now) {
 }
 
 void supervisor::impl::decide(int64_t now) {
+  if (failed)
+    return; // the job is over: the workers leaving now form nothing
   if (!adopt(now))
     return;
   recovery::quorum_state qs;

@@ -1,5 +1,7 @@
 #include "transport/ucx.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 
 namespace cmesh::ucx {
@@ -9,9 +11,49 @@ caf::error status_error(ucs_status_t st, const char* what) {
                     std::string(what) + ": " + ucs_status_string(st));
 }
 
+namespace {
+
+/// Receives and drops what waits in the worker's unexpected-message queue:
+/// fragments an aborted epoch's peers sent that no receive will ever match.
+/// Destroying the worker would otherwise warn once for each. Bounded in
+/// messages and time; a message that does not land within the bound (a
+/// rendezvous whose sender died) is cancelled.
+void drop_unexpected(ucp_worker_h worker) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::milliseconds(200);
+  std::vector<char> scratch;
+  for (int n = 0; n < 100000 && clock::now() < deadline; ++n) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker, 0, 0, 1, &info);
+    if (msg == nullptr) {
+      if (ucp_worker_progress(worker) == 0)
+        return;
+      continue;
+    }
+    scratch.resize(std::max<size_t>(info.length, 1));
+    ucp_request_param_t param{};
+    void* req = ucp_tag_msg_recv_nbx(worker, scratch.data(), info.length, msg, &param);
+    if (UCS_PTR_IS_ERR(req))
+      return;
+    if (req == nullptr)
+      continue;
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && clock::now() < deadline)
+      ucp_worker_progress(worker);
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      ucp_request_cancel(worker, req);
+      ucp_worker_progress(worker);
+    }
+    ucp_request_free(req);
+  }
+}
+
+} // namespace
+
 worker_handle::~worker_handle() {
-  if (worker_ != nullptr)
+  if (worker_ != nullptr) {
+    drop_unexpected(worker_);
     ucp_worker_destroy(worker_);
+  }
   if (context_ != nullptr)
     ucp_cleanup(context_);
 }
