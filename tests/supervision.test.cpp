@@ -421,6 +421,14 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+/// Waits (at most 60 s) until the file at `path` holds `text`.
+void wait_for_text(const std::string& path, const std::string& text) {
+  auto t0 = std::chrono::steady_clock::now();
+  while (slurp(path).find(text) == std::string::npos
+         && std::chrono::steady_clock::now() - t0 < 60s)
+    std::this_thread::sleep_for(20ms);
+}
+
 uint16_t free_port() {
   coordinator probe(coordinator_options{});
   REQUIRE_FALSE(probe.start());
@@ -448,10 +456,7 @@ TEST_CASE("losing the coordinator: training goes on, a restarted coordinator reb
     for (int r = 0; r < 3; ++r)
       workers.push_back(spawn_cmesh("worker " + job, base + ".w" + std::to_string(r), worker_env(r)));
     // Kill it (and a worker) once training runs.
-    auto t0 = std::chrono::steady_clock::now();
-    while (slurp(base + ".c1").find("committed step") == std::string::npos
-           && std::chrono::steady_clock::now() - t0 < 60s)
-      std::this_thread::sleep_for(50ms);
+    wait_for_text(base + ".c1", "committed step");
     std::this_thread::sleep_for(300ms);
     coord.signal(SIGKILL);
     if (with_worker)
@@ -487,4 +492,36 @@ TEST_CASE("losing the coordinator: training goes on, a restarted coordinator reb
     for (auto suffix : {".c1", ".c2", ".w0", ".w1", ".w2", ".w2b"})
       std::remove((base + suffix).c_str());
   }
+}
+
+TEST_CASE("a stalled coordinator (its process SIGSTOPped): no member is taken for dead") {
+  // While the launcher's process is stopped its members' beacons wait
+  // unread; on SIGCONT every member looks silent at once. That is the
+  // coordinator's own stall, not three hangs: the job goes on.
+  auto base = "/tmp/cmesh_stall_" + std::to_string(getpid());
+  auto launcher = spawn_cmesh("launch --exact --steps " + std::to_string(steps)
+                                + " --log-every 50 -n 3 --heartbeat-timeout-ms 500 --events "
+                                + base + ".jsonl",
+                              base + ".out");
+  wait_for_text(base + ".out", "committed step");
+  std::this_thread::sleep_for(100ms);
+  launcher.signal(SIGSTOP);
+  std::this_thread::sleep_for(1500ms); // three heartbeat timeouts
+  launcher.signal(SIGCONT);
+  auto st = launcher.wait(240s);
+  if (!st)
+    launcher.kill_and_reap();
+  auto out = slurp(base + ".out");
+  INFO(out);
+  REQUIRE(st);
+  CHECK(exit_code_of(*st) == 0);
+  auto ev = read_events(base + ".jsonl");
+  CHECK(find_event(ev, 0, "worker_lost", [](auto&) { return true; }) < 0);
+  CHECK(find_event(ev, 0, "failed", [](auto&) { return true; }) < 0);
+  auto ws = weights_of(out);
+  CHECK(ws.size() == 3);
+  for (auto& w : ws)
+    CHECK(w == reference_weights());
+  for (auto suffix : {".out", ".jsonl"})
+    std::remove((base + suffix).c_str());
 }

@@ -81,6 +81,7 @@ struct supervisor::impl {
   /// The current epoch's notice aborts the one before (it said so when it
   /// was announced, or went again to say so).
   bool aborts_previous = false;
+  int64_t all_silent_since_ms = 0; // every connected member silent at once, since
   std::thread thread;
 
   impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
@@ -313,6 +314,40 @@ void supervisor::impl::decide(int64_t now) {
   qs.current = current;
   qs.expected_groups = o.groups;
   qs.reforms_in_a_row = reforms_in_a_row;
+  // Every connected member silent at once: more likely this process was
+  // held up (a write to its log or event file throttled by the kernel
+  // while a thread held this lock, its beacons unread) than all of them
+  // hanging together. They are credited, for up to 10 heartbeat timeouts,
+  // until their queued beacons are read; a closed connection counts at once.
+  {
+    std::vector<int64_t> beacons;
+    for (auto& [rank, inc] : member_ranks) {
+      auto& w = workers[rank];
+      if (w.incarnation == inc && w.connected && !w.lost_reported)
+        beacons.push_back(w.last_ms);
+    }
+    const int64_t timeout = o.quorum.heartbeat_timeout_ms;
+    auto credit = recovery::credit_when_all_silent(beacons, now, timeout, all_silent_since_ms,
+                                                   10 * timeout);
+    if (credit) {
+      if (all_silent_since_ms == 0) {
+        all_silent_since_ms = now;
+        say(fmt::format("every member has been silent for more than {} ms at once: waiting for "
+                        "their beacons before taking any for dead",
+                        timeout));
+        log->emit("all_silent", {{"epoch", current.id}});
+      }
+      for (auto& [rank, inc] : member_ranks) {
+        auto& w = workers[rank];
+        if (w.incarnation == inc && w.connected && !w.lost_reported)
+          w.last_ms = std::max(w.last_ms, *credit);
+      }
+    } else if (std::any_of(beacons.begin(), beacons.end(), [&](int64_t t) {
+                 return !recovery::heartbeat_expired(t, now, timeout);
+               })) {
+      all_silent_since_ms = 0; // someone is heard again
+    }
+  }
   // Deaths of member ranks.
   for (auto& [rank, inc] : member_ranks) {
     auto& w = workers[rank];

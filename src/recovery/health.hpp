@@ -23,6 +23,7 @@
 #include "recovery/member.hpp"
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -66,6 +67,17 @@ struct member_health {
 constexpr bool heartbeat_expired(int64_t last_heartbeat_ms, int64_t now_ms, int64_t timeout_ms) {
   return now_ms - last_heartbeat_ms > timeout_ms;
 }
+
+/// The observer's own silence. When every connected member has been silent
+/// at once, the likelier cause is the observer (its threads held up, its
+/// beacons unread) rather than all of them hanging together. While that
+/// began (`all_silent_since_ms`, 0: not yet) less than `patience_ms` ago,
+/// returns the heartbeat time to credit each with (now - timeout: none
+/// expires this tick); otherwise, or when one of them was heard, nullopt.
+/// `last_heartbeat_ms` holds the connected members' last beacons.
+std::optional<int64_t> credit_when_all_silent(std::span<const int64_t> last_heartbeat_ms,
+                                              int64_t now_ms, int64_t timeout_ms,
+                                              int64_t all_silent_since_ms, int64_t patience_ms);
 
 /// One report on its own (heartbeat rules only). `o` must be valid.
 member_health assess(const member_report& r, int64_t now_ms, const health_options& o);
