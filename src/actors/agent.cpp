@@ -131,6 +131,12 @@ struct agent::impl {
   std::array<std::shared_ptr<coll::host_context>, 2> dev_ctx; // device_kind::host
   std::atomic<bool> dev_abort{false}; // stops an NCCL creation in progress
   /// Aborts the current epoch's communicator and its parts (mu held).
+  /// Puts `epoch` and why it broke here into the beacon (the caller holds
+  /// `mu` and sends it). The reason is cut to a beacon's size.
+  void note_broken(uint64_t epoch, const std::string& why) {
+    status.broken_epoch = epoch;
+    status.broken_reason = why.substr(0, 240);
+  }
   void abort_epoch(const caf::error& why) {
     if (comm)
       comm->abort(why);
@@ -809,8 +815,7 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
   if (why && member_before) {
     // The coordinator re-forms the epoch if no death explains this.
     std::lock_guard lk(I.mu);
-    I.status.broken_epoch = after;
-    I.status.broken_reason = describe(why).substr(0, 240);
+    I.note_broken(after, describe(why));
   }
   I.set_status(why ? wire::worker_status::recovering
                : member_before ? wire::worker_status::training
@@ -906,8 +911,7 @@ expected<coll::communicator*> agent::enter_epoch(uint64_t after, const caf::erro
           spdlog::warn("agent: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
                        describe(c.error()));
           // Its other members may have built it and wait for this rank.
-          I.status.broken_epoch = n.epoch;
-          I.status.broken_reason = ("could not build the epoch: " + describe(c.error())).substr(0, 240);
+          I.note_broken(n.epoch, "could not build the epoch: " + describe(c.error()));
           lk.unlock();
           I.send_status();
           lk.lock();

@@ -320,11 +320,14 @@ void supervisor::impl::decide(int64_t now) {
   // hanging together. They are credited, for up to 10 heartbeat timeouts,
   // until their queued beacons are read; a closed connection counts at once.
   {
+    std::vector<worker*> connected;
     std::vector<int64_t> beacons;
     for (auto& [rank, inc] : member_ranks) {
       auto& w = workers[rank];
-      if (w.incarnation == inc && w.connected && !w.lost_reported)
+      if (w.incarnation == inc && w.connected && !w.lost_reported) {
+        connected.push_back(&w);
         beacons.push_back(w.last_ms);
+      }
     }
     const int64_t timeout = o.quorum.heartbeat_timeout_ms;
     auto credit = recovery::credit_when_all_silent(beacons, now, timeout, all_silent_since_ms,
@@ -337,11 +340,8 @@ void supervisor::impl::decide(int64_t now) {
                         timeout));
         log->emit("all_silent", {{"epoch", current.id}});
       }
-      for (auto& [rank, inc] : member_ranks) {
-        auto& w = workers[rank];
-        if (w.incarnation == inc && w.connected && !w.lost_reported)
-          w.last_ms = std::max(w.last_ms, *credit);
-      }
+      for (auto* w : connected)
+        w->last_ms = std::max(w->last_ms, *credit);
     } else if (std::any_of(beacons.begin(), beacons.end(), [&](int64_t t) {
                  return !recovery::heartbeat_expired(t, now, timeout);
                })) {
