@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <unistd.h>
 
 using namespace cmesh::actors;
@@ -54,4 +55,65 @@ TEST_CASE("events: a log file gets whole lines; a bad path is a typed error") {
   auto none = event_log::open("");
   REQUIRE(none);
   (*none)->emit("anything");
+}
+
+TEST_CASE("events: a writer that cannot write never blocks the caller; a full queue drops and "
+          "says so") {
+  // A pipe nobody reads until the end: its buffer (64 KiB) fills, and the
+  // writer thread blocks in fputs, as on a throttled disk or a full stdout.
+  int fds[2];
+  REQUIRE(pipe(fds) == 0);
+  std::FILE* w = fdopen(fds[1], "w");
+  REQUIRE(w);
+  constexpr size_t bound = 64;
+  const std::string pad(200, 'x');
+  uint64_t dropped = 0;
+  {
+    auto log = event_log::over(w, w, bound);
+    // 4000 lines of ~300 bytes, 1.2 MB: far past the pipe's buffer. Each
+    // call returns though the writer is stuck (a hang here fails by the
+    // test's timeout).
+    for (int i = 0; i < 4000; ++i) {
+      log->emit("step", {{"i", int64_t{i}}, {"pad", pad}});
+      if (i % 100 == 0)
+        log->print("text line " + std::to_string(i));
+    }
+    dropped = log->dropped();
+    CHECK(dropped > 0);
+    CHECK_FALSE(log->flush(std::chrono::milliseconds(50)));
+    // Drain the pipe on another thread so that the rest can be written.
+    std::string all;
+    std::thread reader([fd = fds[0], &all] {
+      char buf[65536];
+      for (;;) {
+        auto n = read(fd, buf, sizeof buf);
+        if (n <= 0)
+          break;
+        all.append(buf, static_cast<size_t>(n));
+      }
+    });
+    CHECK(log->flush(std::chrono::seconds(30)));
+    CHECK(log->dropped() == dropped);
+    log.reset();
+    std::fclose(w);
+    reader.join();
+    close(fds[0]);
+    // Whole lines, the first event first, and the dropped lines counted.
+    REQUIRE_FALSE(all.empty());
+    CHECK(all.rfind("{\"ts\":", 0) == 0);
+    CHECK(all.back() == '\n');
+    CHECK(all.find("\"event\":\"step\",\"i\":0,") != std::string::npos);
+    CHECK(all.find("text line 0\n") != std::string::npos);
+    uint64_t told = 0, notices = 0, lines = 0;
+    const std::string key = "\"event\":\"events_dropped\",\"count\":";
+    for (size_t at = all.find(key); at != std::string::npos; at = all.find(key, at + 1)) {
+      told += std::stoull(all.substr(at + key.size()));
+      ++notices;
+    }
+    for (char c : all)
+      lines += c == '\n';
+    CHECK(told == dropped);
+    // Every line given was written or counted as dropped, plus the notices.
+    CHECK(lines == 4000 + 40 - dropped + notices);
+  }
 }

@@ -140,11 +140,12 @@ struct supervisor::impl {
                         {"abort_running", abort_running},
                         {"reason", reason}});
   }
+  /// A line for the user. Called with the lock held: the log's writer
+  /// thread does the I/O.
   void say(const std::string& line) {
     if (!o.print)
       return spdlog::info("supervisor: {}", line);
-    fmt::print("cmesh: {}\n", line);
-    std::fflush(stdout);
+    log->print("cmesh: " + line);
   }
 };
 
@@ -556,6 +557,8 @@ void supervisor::stop() {
   impl_->coord.on_event({});
   if (impl_->thread.joinable())
     impl_->thread.join();
+  // What it said before stopping comes before what the caller prints next.
+  impl_->log->flush(std::chrono::seconds(5));
 }
 
 std::optional<std::string> supervisor::failure() const {
