@@ -40,7 +40,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
     auto bad = [&](const std::string& why) {
       return make_error(errc::invalid_argument,
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
-                                    "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS, "
+                                    "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS[?], "
                                     "hang@STEP:RANK, fault@STEP:RANK[:TIMES], kill-source@STEP)",
                                     item, why));
     };
@@ -52,9 +52,11 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
     action a;
     if (!number(args[0], a.at_step))
       return bad("the step is not a number");
-    if (verb == "kill" && !args.empty() && args.size() == 2 && args[1].ends_with('?')) {
+    // A trailing '?' on a kill or a stop: skipped when its target's group
+    // is then the last live one.
+    if ((verb == "kill" || verb == "stop") && args.back().ends_with('?')) {
       a.survivable = true;
-      args[1].remove_suffix(1);
+      args.back().remove_suffix(1);
     }
     if (verb == "kill" || verb == "stop" || verb == "hang" || verb == "fault") {
       a.kind = verb == "kill"   ? action_kind::kill
@@ -128,7 +130,7 @@ std::string to_string(const std::vector<action>& plan) {
         out += fmt::format("kill@{}:{}{}", a.at_step, a.rank, a.survivable ? "?" : "");
         break;
       case action_kind::stop:
-        out += fmt::format("stop@{}:{}:{}", a.at_step, a.rank, a.stop_ms);
+        out += fmt::format("stop@{}:{}:{}{}", a.at_step, a.rank, a.stop_ms, a.survivable ? "?" : "");
         break;
       case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
       case action_kind::hang: out += fmt::format("hang@{}:{}", a.at_step, a.rank); break;

@@ -5,6 +5,7 @@
 //   kill@S:R           SIGKILL rank R once the live members committed step S
 //   kill@S:R?          the same, skipped if R is then the last live member
 //   stop@S:R:MS        SIGSTOP rank R at step S, SIGCONT it MS milliseconds later
+//   stop@S:R:MS?       the same, skipped if R's group is then the last live one
 //   hang@S:R           SIGUSR1 rank R at step S: its trainer's next computation
 //                      hangs for good (a stuck kernel), for the step watchdog
 //   fault@S:R[:N]      SIGUSR2 rank R at step S, N times (1 by default): its
@@ -35,8 +36,8 @@ struct action {
   uint64_t at_step = 0;
   uint32_t rank = 0;   // kill, stop, hang, fault
   int64_t stop_ms = 0; // stop
-  /// Survivable only: skipped when its target is the last live member (the
-  /// random kills are; a written plan means what it says).
+  /// Kill and stop: skipped when its target's group is the last live one
+  /// (the random kills are; a written plan means what it says).
   bool survivable = false;
   uint32_t times = 1; // fault
   bool operator==(const action&) const = default;

@@ -18,13 +18,20 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
   auto again = parse_plan(to_string(*p), 4);
   REQUIRE(again);
   CHECK(*again == *p);
+  // A trailing '?' makes a kill or a stop survivable.
+  auto s = parse_plan("stop@8:2:3000?,kill@5:1?", 4);
+  REQUIRE(s);
+  CHECK((*s)[1] == action{action_kind::stop, 8, 2, 3000, true});
+  CHECK((*s)[0] == action{action_kind::kill, 5, 1, 0, true});
+  CHECK(to_string(*s) == "kill@5:1?,stop@8:2:3000?");
   auto empty = parse_plan("", 4);
   REQUIRE(empty);
   CHECK(empty->empty());
 }
 
 TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
-  for (const char* bad : {"kill@5", "kill@x:1", "kill@5:9", "stop@5:1", "stop@5:1:0",
+  for (const char* bad : {"kill@5", "kill@x:1", "kill@5:9", "stop@5:1", "stop@5:1:0", "stop@5:1?:9",
+                          "hang@3:1?", "kill@5?:1",
                           "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,", "hang@3",
                           "hang@3:7", "fault@3", "fault@3:9", "fault@3:1:0", "fault@3:1:101",
                           "fault@3:1:2:2"}) {

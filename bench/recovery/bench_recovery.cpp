@@ -3,7 +3,9 @@
 //  1. Kill -> survivors' next committed step, p50 and p99 over seeded
 //     SIGKILLs, for 4x1, 2x2 and 2x1 (replica groups x ranks per group);
 //     then a fault (a step failing with every process alive) -> the next
-//     committed step, through the epoch re-formed with the same members.
+//     committed step, through the epoch re-formed with the same members;
+//     then a hang seen only by silence (SIGSTOP) -> the next committed step,
+//     at two heartbeat timeouts.
 //  2. Catch-up of a restarted group by model size: time from its catch-up
 //     assignment to its admission, and the snapshot's transfer rate beside
 //     this machine's memcpy rate and the host backend's broadcast of the
@@ -18,12 +20,13 @@
 // timestamps shared by all processes) and the workers' log lines.
 //
 //   cmesh_bench_recovery [--kills N] [--seed S] [--quick] [--catchup-only]
-//                        [--latency-only] [--broadcast BYTES]
+//                        [--latency-only] [--stops-only] [--broadcast BYTES]
 //
 // --quick: 4 kills per layout and the two smaller models; --catchup-only:
 // parts 2 and 3 alone (what a machine with more cores than this one's two
 // is lent for: there a survivor's serving thread and the joiner each have a
-// core of their own, beside the trainers'); --latency-only: part 1 alone.
+// core of their own, beside the trainers'); --latency-only: part 1 alone;
+// --stops-only: its SIGSTOP table alone.
 #include "actors/agent.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "common/launch.hpp"
@@ -41,6 +44,7 @@
 #include <map>
 #include <optional>
 #include <tuple>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -270,6 +274,103 @@ void fault_latency_table(int faults, uint64_t seed) {
              "and the retried step.\n\n");
 }
 
+/// One SIGSTOP of a member: when it was seen (silence), when the survivors
+/// committed again, and how many epochs were announced in between.
+struct stop_timing {
+  double detect_ms = NAN, commit_ms = NAN;
+  int epochs = 0;
+};
+
+/// For every chaos SIGSTOP of a member of the running epoch: the time to
+/// its worker_lost (heartbeat silence) and to the next first_commit after
+/// that, and the epochs announced meanwhile (one is the least: the epoch
+/// without it). `false_losses` counts ranks found silent that nobody
+/// stopped (a beacon late past the timeout on a busy machine).
+std::vector<stop_timing> stop_to_commit(const std::vector<event>& ev, int& false_losses) {
+  std::vector<stop_timing> out;
+  std::map<double, bool> stopped; // rank -> under SIGSTOP
+  for (size_t i = 0; i < ev.size(); ++i) {
+    const auto& e = ev[i];
+    if (e.name == "chaos" && e.field("signal").find("SIGCONT") != std::string::npos)
+      stopped[e.num("rank")] = false;
+    if (e.name == "worker_lost" && e.field("reason").find("silent") != std::string::npos
+        && !stopped[e.num("rank")])
+      ++false_losses;
+    if (e.name != "chaos" || e.field("signal") != "\"SIGSTOP\"")
+      continue;
+    stopped[e.num("rank")] = true;
+    size_t lost = 0;
+    for (size_t j = i + 1; j < ev.size() && !lost; ++j)
+      if (ev[j].name == "worker_lost" && ev[j].num("rank") == e.num("rank"))
+        lost = ev[j].field("member") == "true" ? j : ev.size();
+    if (!lost || lost == ev.size())
+      continue;
+    stop_timing t;
+    t.detect_ms = ev[lost].mono_ms - e.mono_ms;
+    for (size_t j = lost; j < ev.size(); ++j) {
+      t.epochs += ev[j].name == "epoch" ? 1 : 0;
+      if (ev[j].name == "first_commit") {
+        t.commit_ms = ev[j].mono_ms - e.mono_ms;
+        break;
+      }
+    }
+    if (!std::isnan(t.commit_ms))
+      out.push_back(t);
+  }
+  return out;
+}
+
+/// Part 1c: a rank that stops answering (SIGSTOP: a hung host, a process
+/// the kernel froze), seen only by the silence of its heartbeats, -> the
+/// survivors' next committed step, at two heartbeat timeouts.
+void stop_latency_table(int stops, uint64_t seed) {
+  fmt::print("## hang (SIGSTOP, seen only by silence) -> survivors' next committed step\n\n");
+  fmt::print("Nothing closes a connection: the coordinator learns of it when the rank's\n"
+             "beacons (every 100 ms) stop for --heartbeat-timeout-ms. It is continued\n"
+             "(SIGCONT) a second after it is dropped, is fenced, restarts and catches up.\n\n");
+  fmt::print("| layout | --heartbeat-timeout-ms | stops timed | stop->lost p50 / max ms | "
+             "stop->commit p50 / p99 / max ms | epochs announced, lost->commit (mean) | "
+             "ranks found silent that nobody stopped |\n|---|---|---|---|---|---|---|\n");
+  std::mt19937_64 rng(seed);
+  for (auto [R, S] : {std::pair{4, 1}, {2, 2}}) {
+    for (int timeout : {1500, 500}) {
+      std::vector<stop_timing> all;
+      int false_losses = 0;
+      const int per_run = std::min(stops, 10);
+      for (int done = 0; done < stops; done += per_run) {
+        // 60 steps apart: the stopped group is back, caught up, before the next.
+        std::string plan;
+        for (int k = 0; k < per_run; ++k)
+          plan += fmt::format("{}stop@{}:{}:{}?", k ? "," : "", 30 + 60 * k,
+                              rng() % static_cast<uint64_t>(R * S), timeout + 1000);
+        auto r = launch(fmt::format("-n {} --replicas {} --steps {} --log-every 1000 "
+                                    "--restart-delay-ms 300 --max-restarts 100 "
+                                    "--heartbeat-timeout-ms {} --chaos {}",
+                                    R * S, R, 60 * per_run + 40, timeout, plan));
+        auto t = stop_to_commit(r.events, false_losses);
+        all.insert(all.end(), t.begin(), t.end());
+        if (r.status != 0)
+          fmt::print(stderr, "note: a {}x{} stop run ended with status {}\n", R, S, r.status);
+      }
+      std::vector<double> detect, commit;
+      double epochs = 0;
+      for (auto& t : all)
+        detect.push_back(t.detect_ms), commit.push_back(t.commit_ms), epochs += t.epochs;
+      auto mx = [](const std::vector<double>& v) {
+        return v.empty() ? NAN : *std::max_element(v.begin(), v.end());
+      };
+      fmt::print("| {}x{} | {} | {} | {:.0f} / {:.0f} | {:.0f} / {:.0f} / {:.0f} | {:.2f} | {} |\n",
+                 R, S, timeout, all.size(), percentile(detect, 0.5), mx(detect),
+                 percentile(commit, 0.5), percentile(commit, 0.99), mx(commit),
+                 all.empty() ? NAN : epochs / static_cast<double>(all.size()), false_losses);
+    }
+  }
+  fmt::print("\nstop->lost is the heartbeat timeout, less the time since the rank's last\n"
+             "beacon (up to 100 ms), plus the supervisor's tick; lost->commit is about what\n"
+             "a SIGKILL costs (part 1). One epoch announced per stop means the silence cost\n"
+             "no extra re-formed epoch.\n\n");
+}
+
 struct size_case {
   const char* name;
   size_t d_model, ffn, expert_ffn;
@@ -283,7 +384,7 @@ struct size_case {
 int main(int argc, char** argv) {
   int kills = 20;
   uint64_t seed = 1;
-  bool quick = false, catchup_only = false, latency_only = false;
+  bool quick = false, catchup_only = false, latency_only = false, stops_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--kills" && i + 1 < argc)
@@ -296,6 +397,8 @@ int main(int argc, char** argv) {
       catchup_only = true;
     else if (a == "--latency-only")
       latency_only = true;
+    else if (a == "--stops-only")
+      stops_only = true;
     else if (a == "--broadcast" && i + 1 < argc) {
       const size_t bytes = std::strtoull(argv[++i], nullptr, 10);
       for (bool transfer : {true, false}) {
@@ -306,7 +409,7 @@ int main(int argc, char** argv) {
       return 0;
     } else {
       fmt::print(stderr, "usage: cmesh_bench_recovery [--kills N] [--seed S] [--quick] "
-                 "[--catchup-only] [--latency-only] [--broadcast BYTES]\n");
+                 "[--catchup-only] [--latency-only] [--stops-only] [--broadcast BYTES]\n");
       return 2;
     }
   }
@@ -315,9 +418,14 @@ int main(int argc, char** argv) {
   fmt::print("# recovery benchmark: {} seeded kills per layout, seed {}, {} cores\n\n", kills,
              seed, std::thread::hardware_concurrency());
 
+  if (stops_only) {
+    stop_latency_table(kills, seed);
+    return 0;
+  }
   if (!catchup_only) {
     kill_latency_table(kills, seed);
     fault_latency_table(kills, seed);
+    stop_latency_table(kills, seed);
   }
   if (latency_only)
     return 0;

@@ -319,7 +319,8 @@ void supervisor::impl::decide(int64_t now) {
   // held up (a write to its log or event file throttled by the kernel
   // while a thread held this lock, its beacons unread) than all of them
   // hanging together. They are credited, for up to 10 heartbeat timeouts,
-  // until their queued beacons are read; a closed connection counts at once.
+  // until their queued beacons are read, and when the first is heard each
+  // gets one more timeout; a closed connection counts at once.
   {
     std::vector<worker*> connected;
     std::vector<int64_t> beacons;
@@ -346,7 +347,13 @@ void supervisor::impl::decide(int64_t now) {
     } else if (std::any_of(beacons.begin(), beacons.end(), [&](int64_t t) {
                  return !recovery::heartbeat_expired(t, now, timeout);
                })) {
-      all_silent_since_ms = 0; // someone is heard again
+      // Someone is heard again: the stall is over. The others' beacons
+      // may still wait unread behind that one's (the I/O thread reads one
+      // connection at a time), so each gets a full timeout from now.
+      if (all_silent_since_ms != 0)
+        for (auto* w : connected)
+          w->last_ms = std::max(w->last_ms, now);
+      all_silent_since_ms = 0;
     }
   }
   // Deaths of member ranks.

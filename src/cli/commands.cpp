@@ -476,6 +476,10 @@ int run_launch(const job_options& job) {
                        a.rank, v.max_member_step);
           else
             signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
+        } else if (a.survivable && others_live(a.rank) == 0) {
+          fmt::print("cmesh: chaos: skipped SIGSTOP of rank {} at step {}: its group is the last "
+                     "live one\n",
+                     a.rank, v.max_member_step);
         } else {
           signal_rank(a.rank, SIGSTOP, "SIGSTOP", v.max_member_step);
           to_continue.emplace_back(now + std::chrono::milliseconds(a.stop_ms), a.rank);

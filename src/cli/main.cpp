@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
     ->capture_default_str();
   launch->add_option("--chaos", job.supervise.chaos,
                      "faults to inject: kill@STEP:RANK, stop@STEP:RANK:MS, hang@STEP:RANK, "
-                     "fault@STEP:RANK[:TIMES], kill-source@STEP (comma-separated)");
+                     "fault@STEP:RANK[:TIMES], kill-source@STEP (comma-separated; a '?' after "
+                     "a kill or a stop skips it when its group is the last live one)");
   launch->add_option("--chaos-kills", job.supervise.chaos_kills,
                      "SIGKILLs of random ranks at random steps, drawn with --chaos-seed");
   launch->add_option("--chaos-faults", job.supervise.chaos_faults,
