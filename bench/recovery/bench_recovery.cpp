@@ -112,24 +112,30 @@ void to_next_commit(const std::vector<event>& ev, size_t i, std::vector<double>&
     }
 }
 
+/// The index of the worker_lost that follows chaos event i for its rank,
+/// if that rank was then a member of the running epoch; 0 otherwise. A
+/// rank that is not a member (restarting or catching up) does not touch
+/// the survivors' steps: it leaves no epoch change, and no first_commit,
+/// to time.
+size_t member_loss(const std::vector<event>& ev, size_t i) {
+  for (size_t j = i + 1; j < ev.size(); ++j)
+    if (ev[j].name == "worker_lost" && ev[j].num("rank") == ev[i].num("rank"))
+      return ev[j].field("member") == "true" ? j : 0;
+  return 0;
+}
+
+double max_of(const std::vector<double>& v) {
+  return v.empty() ? NAN : *std::max_element(v.begin(), v.end());
+}
+
 /// For every chaos SIGKILL of a member of the running epoch, the time to
-/// the next first_commit after it. A kill of a rank that is not a member
-/// (restarting or catching up) does not touch the survivors' steps: it
-/// leaves no epoch change, and no first_commit, to time.
+/// the next first_commit after it.
 std::vector<double> kill_to_commit(const std::vector<event>& ev) {
   std::vector<double> out;
-  for (size_t i = 0; i < ev.size(); ++i) {
-    if (ev[i].name != "chaos" || ev[i].field("signal").find("SIGKILL") == std::string::npos)
-      continue;
-    bool member = false;
-    for (size_t j = i + 1; j < ev.size(); ++j)
-      if (ev[j].name == "worker_lost" && ev[j].num("rank") == ev[i].num("rank")) {
-        member = ev[j].field("member") == "true";
-        break;
-      }
-    if (member)
+  for (size_t i = 0; i < ev.size(); ++i)
+    if (ev[i].name == "chaos" && ev[i].field("signal").find("SIGKILL") != std::string::npos
+        && member_loss(ev, i))
       to_next_commit(ev, i, out);
-  }
   return out;
 }
 
@@ -235,7 +241,7 @@ void kill_latency_table(int kills, uint64_t seed) {
     }
     auto p50 = percentile(lat, 0.5), p99 = percentile(lat, 0.99);
     fmt::print("| {}x{} | {} | {:.0f} | {:.0f} | {:.0f} | {} |\n", R, S, lat.size(), p50, p99,
-               lat.empty() ? NAN : *std::max_element(lat.begin(), lat.end()),
+               max_of(lat),
                p50 < 1000 && p99 < 3000 ? "met" : "MISSED");
   }
   fmt::print("\nIn 2x2 a kill takes its whole group out (its partner is fenced and\n"
@@ -266,7 +272,7 @@ void fault_latency_table(int faults, uint64_t seed) {
         fmt::print(stderr, "note: a {}x{} fault run ended with status {}\n", R, S, r.status);
       fmt::print("| {}x{} | {} | {} | {:.0f} | {:.0f} | {:.0f} | {} |\n", R, S, grace, lat.size(),
                  percentile(lat, 0.5), percentile(lat, 0.99),
-                 lat.empty() ? NAN : *std::max_element(lat.begin(), lat.end()), restarts);
+                 max_of(lat), restarts);
     }
   }
   fmt::print("\nThe time holds the rest of the step the fault fell in, the grace (the\n"
@@ -299,11 +305,8 @@ std::vector<stop_timing> stop_to_commit(const std::vector<event>& ev, int& false
     if (e.name != "chaos" || e.field("signal") != "\"SIGSTOP\"")
       continue;
     stopped[e.num("rank")] = true;
-    size_t lost = 0;
-    for (size_t j = i + 1; j < ev.size() && !lost; ++j)
-      if (ev[j].name == "worker_lost" && ev[j].num("rank") == e.num("rank"))
-        lost = ev[j].field("member") == "true" ? j : ev.size();
-    if (!lost || lost == ev.size())
+    const size_t lost = member_loss(ev, i);
+    if (!lost)
       continue;
     stop_timing t;
     t.detect_ms = ev[lost].mono_ms - e.mono_ms;
@@ -356,12 +359,9 @@ void stop_latency_table(int stops, uint64_t seed) {
       double epochs = 0;
       for (auto& t : all)
         detect.push_back(t.detect_ms), commit.push_back(t.commit_ms), epochs += t.epochs;
-      auto mx = [](const std::vector<double>& v) {
-        return v.empty() ? NAN : *std::max_element(v.begin(), v.end());
-      };
       fmt::print("| {}x{} | {} | {} | {:.0f} / {:.0f} | {:.0f} / {:.0f} / {:.0f} | {:.2f} | {} |\n",
-                 R, S, timeout, all.size(), percentile(detect, 0.5), mx(detect),
-                 percentile(commit, 0.5), percentile(commit, 0.99), mx(commit),
+                 R, S, timeout, all.size(), percentile(detect, 0.5), max_of(detect),
+                 percentile(commit, 0.5), percentile(commit, 0.99), max_of(commit),
                  all.empty() ? NAN : epochs / static_cast<double>(all.size()), false_losses);
     }
   }

@@ -469,17 +469,14 @@ int run_launch(const job_options& job) {
               std::this_thread::sleep_for(std::chrono::milliseconds(20));
             signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
           }
-        } else if (a.kind == chaos::action_kind::kill) {
-          if (a.survivable && others_live(a.rank) == 0)
-            fmt::print("cmesh: chaos: skipped SIGKILL of rank {} at step {}: its group is the last "
-                       "live one\n",
-                       a.rank, v.max_member_step);
-          else
-            signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
         } else if (a.survivable && others_live(a.rank) == 0) {
-          fmt::print("cmesh: chaos: skipped SIGSTOP of rank {} at step {}: its group is the last "
+          // A survivable kill or stop of the last live group.
+          fmt::print("cmesh: chaos: skipped {} of rank {} at step {}: its group is the last "
                      "live one\n",
-                     a.rank, v.max_member_step);
+                     a.kind == chaos::action_kind::kill ? "SIGKILL" : "SIGSTOP", a.rank,
+                     v.max_member_step);
+        } else if (a.kind == chaos::action_kind::kill) {
+          signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
         } else {
           signal_rank(a.rank, SIGSTOP, "SIGSTOP", v.max_member_step);
           to_continue.emplace_back(now + std::chrono::milliseconds(a.stop_ms), a.rank);
