@@ -3,6 +3,7 @@
 #include "core/env.hpp"
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -113,6 +114,10 @@ void event_log::print(std::string line) {
     enqueue(text_, std::move(line));
 }
 
+void event_log::note(std::string line) {
+  enqueue(nullptr, std::move(line));
+}
+
 bool event_log::flush(std::chrono::milliseconds timeout) {
   std::unique_lock lk(mu_);
   auto target = queued_;
@@ -137,6 +142,8 @@ void event_log::write_loop() {
     lk.unlock();
     std::FILE* touched[2] = {nullptr, nullptr};
     auto put = [&](std::FILE* to, const std::string& text) {
+      if (!to)
+        return spdlog::info("{}", text);
       std::fputs(text.c_str(), to);
       std::fputc('\n', to);
       if (touched[0] != to && touched[1] != to)

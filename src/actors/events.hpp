@@ -71,6 +71,10 @@ public:
   /// Queues one line of text (no newline) for the text stream, in order
   /// with the events. Thread-safe; never waits on I/O.
   void print(std::string line);
+  /// Queues one line for the process's log (spdlog, level info), in order
+  /// with the rest: the writer thread hands it to the logger, whose sinks
+  /// may block. Thread-safe; never waits on I/O.
+  void note(std::string line);
   /// Waits until everything queued before the call is written and flushed;
   /// false if `timeout` passed first.
   bool flush(std::chrono::milliseconds timeout);
@@ -79,7 +83,7 @@ public:
 
 private:
   struct line {
-    std::FILE* to;
+    std::FILE* to; // null: the process's log
     std::string text;
   };
   void enqueue(std::FILE* to, std::string text);

@@ -140,11 +140,12 @@ struct supervisor::impl {
                         {"abort_running", abort_running},
                         {"reason", reason}});
   }
-  /// A line for the user. Called with the lock held: the log's writer
-  /// thread does the I/O.
+  /// A line for the user (stdout), or for the process's log when printing
+  /// is off. Called with the lock held: the log's writer thread does the
+  /// I/O either way.
   void say(const std::string& line) {
     if (!o.print)
-      return spdlog::info("supervisor: {}", line);
+      return log->note("supervisor: " + line);
     log->print("cmesh: " + line);
   }
 };
