@@ -92,13 +92,15 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
 }
 
 std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
-                                uint64_t last_step, uint32_t world_size, size_t faults) {
+                                uint64_t last_step, uint32_t world_size, size_t faults,
+                                stop_draw stops) {
   std::vector<action> plan;
   if (last_step < first_step || world_size == 0)
     return plan;
   uint64_t span = last_step - first_step + 1;
   kills = std::min<size_t>(kills, span);
   faults = std::min<size_t>(faults, span - kills);
+  stops.count = std::min<size_t>(stops.count, span - kills - faults);
   uint64_t counter = 0;
   auto draw = [&] { return splitmix64(seed + 0x9e3779b97f4a7c15ull * ++counter); };
   std::set<uint64_t> steps;
@@ -115,6 +117,19 @@ std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step
   }
   for (auto s : fault_steps)
     plan.push_back({action_kind::fault, s, static_cast<uint32_t>(draw() % world_size), 0, false});
+  // Stops last, so that a seed's kills and faults stay the same.
+  std::set<uint64_t> stop_steps;
+  while (stop_steps.size() < stops.count) {
+    auto s = first_step + draw() % span;
+    if (!steps.count(s) && !fault_steps.count(s))
+      stop_steps.insert(s);
+  }
+  const auto lo = std::max<int64_t>(stops.min_ms, 1);
+  const auto width = static_cast<uint64_t>(std::max(stops.max_ms, lo) - lo) + 1;
+  for (auto s : stop_steps) {
+    auto r = static_cast<uint32_t>(draw() % world_size);
+    plan.push_back({action_kind::stop, s, r, lo + static_cast<int64_t>(draw() % width), true});
+  }
   std::stable_sort(plan.begin(), plan.end(),
                    [](const action& x, const action& y) { return x.at_step < y.at_step; });
   return plan;

@@ -16,7 +16,8 @@
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
 //   kill-coordinator   is not a plan action: the coordinator is the launcher
-// A seeded random plan (random_plan) picks kills at distinct steps; the seed
+// A seeded random plan (random_plan) picks kills, faults and stops at
+// distinct steps; the seed
 // is printed with the plan, so a failing run can be replayed.
 #pragma once
 
@@ -47,12 +48,23 @@ struct action {
 /// invalid_argument naming the bad action.
 expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_size);
 
-/// `kills` survivable SIGKILLs and then `faults` single faults, all at
-/// distinct steps drawn from [first_step, last_step], each of a rank drawn
-/// from [0, world_size), sorted by step. Deterministic in its arguments; the
-/// kills do not depend on `faults`.
+/// Random survivable SIGSTOPs: how many, and the range their lengths are
+/// drawn from (the launcher spans the heartbeat timeout with it, so that
+/// some stops are ridden out and the others taken for deaths).
+struct stop_draw {
+  size_t count = 0;
+  int64_t min_ms = 0;
+  int64_t max_ms = 0;
+};
+
+/// `kills` survivable SIGKILLs, then `faults` single faults, then
+/// `stops.count` survivable SIGSTOPs, all at distinct steps drawn from
+/// [first_step, last_step], each of a rank drawn from [0, world_size),
+/// sorted by step. Deterministic in its arguments; the kills do not depend
+/// on `faults` or `stops`, nor the faults on `stops`.
 std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
-                                uint64_t last_step, uint32_t world_size, size_t faults = 0);
+                                uint64_t last_step, uint32_t world_size, size_t faults = 0,
+                                stop_draw stops = {});
 
 /// The text form of a plan (parse_plan reads it back).
 std::string to_string(const std::vector<action>& plan);

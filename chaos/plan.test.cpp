@@ -81,3 +81,44 @@ TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in r
   REQUIRE(back);
   CHECK(*back == a);
 }
+
+TEST_CASE("chaos plans: random stops take steps of their own, span the given lengths and leave "
+          "the kills and faults of the seed alone") {
+  const auto kf = random_plan(42, 5, 2, 60, 4, 3);
+  const stop_draw draw{.count = 12, .min_ms = 750, .max_ms = 3000};
+  const auto p = random_plan(42, 5, 2, 60, 4, 3, draw);
+  CHECK(p == random_plan(42, 5, 2, 60, 4, 3, draw));
+  REQUIRE(p.size() == 20);
+  std::vector<action> others;
+  size_t stops = 0, short_ones = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (i > 0)
+      CHECK(p[i].at_step > p[i - 1].at_step); // every action at a step of its own
+    CHECK(p[i].at_step >= 2);
+    CHECK(p[i].at_step <= 60);
+    CHECK(p[i].rank < 4);
+    if (p[i].kind != action_kind::stop) {
+      others.push_back(p[i]);
+      continue;
+    }
+    ++stops;
+    CHECK(p[i].survivable);
+    CHECK(p[i].stop_ms >= 750);
+    CHECK(p[i].stop_ms <= 3000);
+    short_ones += p[i].stop_ms < 1500 ? 1 : 0;
+  }
+  CHECK(stops == 12);
+  CHECK(others == kf);
+  // Twelve draws over [750, 3000]: both sides of a 1500 ms timeout (for
+  // this seed; the draw is deterministic).
+  CHECK(short_ones > 0);
+  CHECK(short_ones < stops);
+  auto back = parse_plan(to_string(p), 4);
+  REQUIRE(back);
+  CHECK(*back == p);
+  // No room left: the stops give way.
+  CHECK(random_plan(1, 1, 5, 7, 2, 1, {.count = 5, .min_ms = 10, .max_ms = 20}).size() == 3);
+  // A degenerate range is one length.
+  for (auto& a : random_plan(3, 0, 1, 40, 2, 0, {.count = 6, .min_ms = 900, .max_ms = 900}))
+    CHECK(a.stop_ms == 900);
+}

@@ -350,11 +350,16 @@ int run_launch(const job_options& job) {
       return 2;
     }
     plan = std::move(*p);
-    if (job.supervise.chaos_kills > 0 || job.supervise.chaos_faults > 0) {
+    if (job.supervise.chaos_kills > 0 || job.supervise.chaos_faults > 0
+        || job.supervise.chaos_stops > 0) {
       auto first = job.supervise.chaos_first_step;
+      // Stops from half a heartbeat timeout (ridden out: the others wait
+      // for it) to two (taken for a death: fenced after SIGCONT, restarted).
+      const auto hb = job.supervise.heartbeat_timeout_ms;
       auto more = chaos::random_plan(job.supervise.chaos_seed, job.supervise.chaos_kills, first,
                                      target > first + 2 ? target - 2 : first, job.world_size,
-                                     job.supervise.chaos_faults);
+                                     job.supervise.chaos_faults,
+                                     {job.supervise.chaos_stops, hb / 2, 2 * hb});
       plan.insert(plan.end(), more.begin(), more.end());
       std::stable_sort(plan.begin(), plan.end(),
                        [](auto& a, auto& b) { return a.at_step < b.at_step; });

@@ -108,11 +108,14 @@ int main(int argc, char** argv) {
   launch->add_option("--chaos-faults", job.supervise.chaos_faults,
                      "steps of random ranks made to fail with every process alive (fault@), "
                      "at random steps, drawn with --chaos-seed");
+  launch->add_option("--chaos-stops", job.supervise.chaos_stops,
+                     "SIGSTOPs of random ranks at random steps, each from half a heartbeat "
+                     "timeout (ridden out) to two (taken for a death), drawn with --chaos-seed");
   launch->add_option("--chaos-seed", job.supervise.chaos_seed,
-                     "seed of --chaos-kills and --chaos-faults")
+                     "seed of --chaos-kills, --chaos-faults and --chaos-stops")
     ->capture_default_str();
   launch->add_option("--chaos-first-step", job.supervise.chaos_first_step,
-                     "the random kills and faults fall at this step or later")
+                     "the random kills, faults and stops fall at this step or later")
     ->capture_default_str();
 
   try {
