@@ -126,7 +126,6 @@ inline abort_report parse_abort(const wire::report& r) {
   return a;
 }
 
-/// A random seed, or CMESH_SEED to replay one; callers print it.
 /// The first capture group of every match of `pattern` in `text`, in order.
 inline std::vector<std::string> captures(const std::string& text, const std::string& pattern) {
   std::vector<std::string> out;
@@ -150,6 +149,7 @@ inline std::vector<std::string> done_weights(const std::string& out, uint64_t st
   return w;
 }
 
+/// A random seed, or CMESH_SEED to replay one; callers print it.
 inline uint64_t test_seed() {
   uint64_t s = std::random_device{}();
   if (const char* v = std::getenv("CMESH_SEED"))

@@ -251,11 +251,12 @@ TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one 
   }
 }
 
-TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights bit-identical") {
+TEST_CASE("exact mode: seeded random kills and stops, a kill of a catch-up source, weights "
+          "bit-identical") {
   auto seed = test_seed();
   MESSAGE("chaos seed " << seed << " (CMESH_SEED=" << seed << " replays it)");
   auto j = launch("-n 3 --restart-delay-ms 100 --max-restarts 20 --chaos kill@4:1,kill-source@5 "
-                  "--chaos-kills 2 --chaos-first-step 20 --chaos-seed "
+                  "--chaos-kills 2 --chaos-stops 2 --chaos-first-step 20 --chaos-seed "
                   + std::to_string(seed));
   INFO(j.r.output);
   REQUIRE(j.r.exit_code == 0);
@@ -263,10 +264,24 @@ TEST_CASE("exact mode: seeded random kills, a kill of a catch-up source, weights
     return e.field("signal") == "\"SIGKILL (catch-up source)\"";
   });
   CHECK(source_kill >= 0);
-  size_t kills = 0;
-  for (auto& e : j.events)
-    kills += e.name == "chaos" ? 1 : 0;
-  MESSAGE(kills << " kills");
+  // The plan drew two stops of 750 to 3000 ms (half to twice the default
+  // 1500 ms heartbeat timeout); each one sent is continued.
+  auto plan = captures(j.r.output, "chaos plan ([^ ]+) \\(seed");
+  REQUIRE(plan.size() == 1);
+  auto lengths = captures(plan[0], "stop@[0-9]+:[0-9]+:([0-9]+)\\?");
+  CHECK(lengths.size() == 2);
+  for (auto& ms : lengths) {
+    CHECK(std::stoi(ms) >= 750);
+    CHECK(std::stoi(ms) <= 3000);
+  }
+  size_t kills = 0, stops = 0;
+  for (auto& e : j.events) {
+    if (e.name != "chaos")
+      continue;
+    kills += e.field("signal").find("SIGKILL") != std::string::npos ? 1 : 0;
+    stops += e.field("signal") == "\"SIGSTOP\"" ? 1 : 0;
+  }
+  MESSAGE(kills << " kills, " << stops << " stops");
   CHECK(kills >= 2);
   auto ws = weights_of(j.r.output);
   REQUIRE(!ws.empty());
