@@ -101,6 +101,38 @@ void check_identical(const job& j, size_t ranks_done) {
     CHECK(w == reference_weights());
 }
 
+/// The job's recovery summary (its last line and the event log's
+/// "recovery_summary") agrees with the events the log holds.
+void check_summary(const job& j) {
+  const auto& ev = j.events;
+  int at = find_event(ev, 0, "recovery_summary", [](auto&) { return true; });
+  REQUIRE(at >= 0);
+  const auto& s = ev[at];
+  auto count = [&](const std::string& name, auto pred) {
+    int64_t n = 0;
+    for (size_t i = 0; i < static_cast<size_t>(at); ++i)
+      n += ev[i].name == name && pred(ev[i]) ? 1 : 0;
+    return n;
+  };
+  auto any = [](auto&) { return true; };
+  CHECK(s.num("epochs") == count("epoch", any));
+  CHECK(s.num("ranks_lost")
+        == count("worker_lost", [](auto& e) { return e.field("member") == "true"; }));
+  CHECK(s.num("catchups") == count("catchup_start", any));
+  CHECK(s.num("rejoined") == count("catchup_end", any));
+  // One resolved failure per first commit that followed a failure.
+  CHECK(s.num("failures_resolved") >= (s.num("ranks_lost") > 0 ? 1 : 0));
+  CHECK(s.num("failures_resolved") <= count("first_commit", [](auto& e) {
+    return e.num("since_failure_ms") >= 0;
+  }));
+  CHECK(s.num("failure_to_commit_p50_ms") >= 0);
+  CHECK(s.num("failure_to_commit_max_ms") >= s.num("failure_to_commit_p50_ms"));
+  CHECK(s.num("rejoin_max_ms") >= s.num("rejoin_p50_ms"));
+  auto line = captures(j.r.output, "cmesh: recovery: ([0-9]+) rank\\(s\\) lost");
+  REQUIRE(line.size() == 1);
+  CHECK(std::stoll(line[0]) == s.num("ranks_lost"));
+}
+
 } // namespace
 
 TEST_CASE("SIGKILL a rank: the survivors go on, the restarted rank catches up and rejoins") {
@@ -136,6 +168,11 @@ TEST_CASE("SIGKILL a rank: the survivors go on, the restarted rank catches up an
   CHECK(find_event(ev, grow, "catchup_end", [](auto& e) { return e.num("rank") == 1; }) >= 0);
   // Exactly once: the final weights of all three equal the run without kills.
   check_identical(j, 3);
+  check_summary(j);
+  int sum = find_event(ev, 0, "recovery_summary", [](auto&) { return true; });
+  CHECK(ev[sum].num("ranks_lost") == 1);
+  CHECK(ev[sum].num("rejoined") == 1);
+  CHECK(ev[sum].num("failures_resolved") >= 1);
 }
 
 TEST_CASE("2 groups x 2 ranks: SIGKILL one rank; the other group goes on, the group rejoins") {
@@ -283,6 +320,7 @@ TEST_CASE("exact mode: seeded random kills and stops, a kill of a catch-up sourc
   }
   MESSAGE(kills << " kills, " << stops << " stops");
   CHECK(kills >= 2);
+  check_summary(j);
   auto ws = weights_of(j.r.output);
   REQUIRE(!ws.empty());
   for (auto& w : ws)
@@ -368,6 +406,11 @@ TEST_CASE("a step that fails with every process alive: the epoch is re-formed, n
   for (auto name : {"worker_lost", "restart", "catchup_start"})
     CHECK(find_event(ev, 0, name, [](auto&) { return true; }) < 0);
   check_identical(j, 3);
+  check_summary(j);
+  int sum = find_event(ev, 0, "recovery_summary", [](auto&) { return true; });
+  CHECK(ev[sum].num("reforms") == 2);
+  CHECK(ev[sum].num("failures_resolved") == 2);
+  CHECK(ev[sum].num("failure_to_commit_p50_ms") >= 300); // the grace, as above
 }
 
 TEST_CASE("every group dead, or too many at once: a clear error, nothing committed after") {

@@ -46,6 +46,7 @@ struct supervisor::impl {
     bool lost_reported = false;
     int64_t lost_ms = 0; // when it was found dead
     int64_t broken_since_ms = 0; // when it reported st.broken_epoch broken
+    int64_t registered_ms = 0;
   };
 
   coordinator& coord;
@@ -73,6 +74,8 @@ struct supervisor::impl {
   uint64_t epoch_base_step = 0;
   bool first_commit_seen = true;
   int64_t last_failure_ms = 0;
+  int64_t unresolved_failure_ms = 0; // the first failure no commit followed yet
+  supervisor::recovery_summary stats;
   uint32_t reforms_in_a_row = 0; // broken epochs re-formed with no commit since
   /// The epoch before the current one, when the current one left nobody
   /// out of it (a grow or a re-form; 0 otherwise): its members may still
@@ -88,6 +91,13 @@ struct supervisor::impl {
       : coord(c), o(std::move(opts)), log(std::move(l)) {}
 
   uint32_t S() const { return std::max<uint32_t>(1, o.ranks_per_group); }
+
+  /// A member lost, or a step failed: the survivors' next commit ends it.
+  void failure_at(int64_t now) {
+    last_failure_ms = now;
+    if (unresolved_failure_ms == 0)
+      unresolved_failure_ms = now;
+  }
 
   bool is_member(uint32_t rank, uint64_t inc) const {
     auto it = member_ranks.find(rank);
@@ -157,7 +167,8 @@ void supervisor::impl::lost(uint32_t rank, worker& w, const std::string& why, in
   w.lost_ms = now;
   bool member = is_member(rank, w.incarnation);
   if (member) {
-    last_failure_ms = now;
+    failure_at(now);
+    ++stats.ranks_lost;
     // Its peers stop waiting for it now, even if no new epoch can form yet.
     auto n = current_notice(fmt::format("rank {} lost: {}", rank, why));
     n.lost = {rank};
@@ -180,6 +191,7 @@ void supervisor::impl::on_event(const worker_event& ev) {
       w.incarnation = ev.incarnation;
       w.connected = true;
       w.last_ms = now;
+      w.registered_ms = now;
       log->emit("registered", {{"rank", uint64_t{ev.rank}}, {"incarnation", ev.incarnation}});
       break;
     case worker_event::type::status:
@@ -201,6 +213,10 @@ void supervisor::impl::on_event(const worker_event& ev) {
           && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
         first_commit_seen = true;
         reforms_in_a_row = 0;
+        if (unresolved_failure_ms != 0) {
+          stats.failure_to_commit_ms.push_back(now - unresolved_failure_ms);
+          unresolved_failure_ms = 0;
+        }
         event_fields f{{"epoch", current.id},
                        {"step", ev.status.step},
                        {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
@@ -225,7 +241,7 @@ void supervisor::impl::on_event(const worker_event& ev) {
           // never reach: the current epoch goes again, telling them to
           // abort that one now.
           aborts_previous = true;
-          last_failure_ms = now;
+          failure_at(now);
           auto n = current_notice(fmt::format("epoch {} broke at rank {} ({}) after epoch {} was "
                                               "announced",
                                               ev.status.broken_epoch, ev.rank,
@@ -235,7 +251,7 @@ void supervisor::impl::on_event(const worker_event& ev) {
           say(n.reason + "; its members abort it");
         }
         if (current_epoch)
-          last_failure_ms = now;
+          failure_at(now);
         log->emit("epoch_broken", {{"rank", uint64_t{ev.rank}},
                                    {"epoch", ev.status.broken_epoch},
                                    {"current", current_epoch},
@@ -468,17 +484,22 @@ void supervisor::impl::decide(int64_t now) {
       uint64_t base = 0;
       for (auto& [rank, inc] : member_ranks)
         base = std::max(base, workers[rank].st.step);
-      if (d.reform)
+      ++stats.epochs;
+      if (d.reform) {
         ++reforms_in_a_row;
+        ++stats.reforms;
+      }
       kept_everyone_of = d.left.empty() ? current.id - 1 : 0;
       aborts_previous = d.abort_running;
       announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()),
                      d.abort_running);
       for (auto r : ranks_of(d.joined, S()))
-        if (workers[r].ready_since_ms != 0)
+        if (workers[r].ready_since_ms != 0) {
+          stats.rejoin_ms.push_back(now - workers[r].registered_ms);
           log->emit("catchup_end", {{"rank", uint64_t{r}},
                                     {"epoch", current.id},
                                     {"session", workers[r].st.session}});
+        }
       say(fmt::format("epoch {} {} from step {}: {}", current.id,
                       recovery::to_string(current.members), base, d.reason));
       break;
@@ -514,6 +535,7 @@ void supervisor::impl::assign_catch_ups(int64_t now) {
     a.joiner_incarnation = w.incarnation;
     a.source = sources[a.session % sources.size()];
     w.assigned_session = a.session;
+    ++stats.catchups;
     coord.send_control(a.joiner, a);
     coord.send_control(a.source, a);
     newest_catchup = std::pair{rank, a.source};
@@ -554,6 +576,45 @@ void supervisor::start() {
   I->thread = std::thread([I] { I->run(); });
 }
 
+namespace {
+
+/// The median (upper, for an even count) and the largest of `v`; 0 and 0
+/// when it is empty.
+std::pair<int64_t, int64_t> median_and_max(std::vector<int64_t> v) {
+  if (v.empty())
+    return {0, 0};
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.back()};
+}
+
+} // namespace
+
+std::string supervisor::recovery_summary::describe() const {
+  const uint64_t failures = failure_to_commit_ms.size();
+  if (ranks_lost == 0 && reforms == 0 && rejoin_ms.empty() && failures == 0)
+    return {};
+  std::string out = fmt::format("{} rank(s) lost, {} epoch(s) re-formed with every process "
+                                "alive, {} epochs",
+                                ranks_lost, reforms, epochs);
+  if (failures > 0) {
+    auto [p50, max] = median_and_max(failure_to_commit_ms);
+    out += fmt::format("; failure found to the next commit p50 {} ms, max {} ms ({})", p50, max,
+                       failures);
+  }
+  if (!rejoin_ms.empty()) {
+    auto [p50, max] = median_and_max(rejoin_ms);
+    out += fmt::format("; {} catch-up session(s); registered to rejoined p50 {} ms, max {} ms "
+                       "({} rank(s))",
+                       catchups, p50, max, rejoin_ms.size());
+  }
+  return out;
+}
+
+supervisor::recovery_summary supervisor::summary() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->stats;
+}
+
 void supervisor::stop() {
   {
     std::lock_guard lk(impl_->mu);
@@ -565,6 +626,23 @@ void supervisor::stop() {
   impl_->coord.on_event({});
   if (impl_->thread.joinable())
     impl_->thread.join();
+  {
+    std::lock_guard lk(impl_->mu);
+    const auto& st = impl_->stats;
+    auto [commit_p50, commit_max] = median_and_max(st.failure_to_commit_ms);
+    auto [rejoin_p50, rejoin_max] = median_and_max(st.rejoin_ms);
+    impl_->log->emit("recovery_summary",
+                     {{"epochs", st.epochs},
+                      {"ranks_lost", st.ranks_lost},
+                      {"reforms", st.reforms},
+                      {"catchups", st.catchups},
+                      {"failures_resolved", uint64_t{st.failure_to_commit_ms.size()}},
+                      {"failure_to_commit_p50_ms", commit_p50},
+                      {"failure_to_commit_max_ms", commit_max},
+                      {"rejoined", uint64_t{st.rejoin_ms.size()}},
+                      {"rejoin_p50_ms", rejoin_p50},
+                      {"rejoin_max_ms", rejoin_max}});
+  }
   // What it said before stopping comes before what the caller prints next.
   impl_->log->flush(std::chrono::seconds(5));
 }

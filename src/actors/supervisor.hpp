@@ -88,6 +88,24 @@ public:
   };
   view snapshot() const;
 
+  /// What recovery cost over the job so far: the launcher's last line, and
+  /// the event log's last event ("recovery_summary", written at stop).
+  struct recovery_summary {
+    uint64_t epochs = 0;     // epochs announced, the first one included
+    uint64_t ranks_lost = 0; // members found dead (connection closed, or silent)
+    uint64_t reforms = 0;    // epochs re-formed with every process alive (a failed step)
+    uint64_t catchups = 0;   // catch-up sessions assigned
+    /// From each failure (a member lost, a step failed) that no commit
+    /// followed yet to the survivors' next committed step.
+    std::vector<int64_t> failure_to_commit_ms;
+    /// From a rank's registration (its restart) to the epoch that admits
+    /// it after it caught up.
+    std::vector<int64_t> rejoin_ms;
+    /// One line for the user ("" when nothing failed and nobody rejoined).
+    std::string describe() const;
+  };
+  recovery_summary summary() const;
+
   /// Writes an event of the caller's (the launcher's restarts) to the same log.
   void note(std::string_view event, const event_fields& fields);
 

@@ -84,6 +84,15 @@ job_outcome await_job(coordinator& coord, uint32_t world_size, std::chrono::seco
   return out;
 }
 
+/// What recovery cost over a supervised job, one line (nothing when no
+/// failure happened and nobody rejoined).
+void print_recovery(const actors::supervisor* sup) {
+  if (!sup)
+    return;
+  if (auto line = sup->summary().describe(); !line.empty())
+    fmt::print("cmesh: recovery: {}\n", line);
+}
+
 /// The supervisor of a training job, from the flags.
 expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord,
                                                               const job_options& job,
@@ -208,6 +217,7 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
   coord.broadcast_shutdown(out.ok ? 0 : 1, out.ok ? "job done" : out.reason);
   std::this_thread::sleep_for(200ms); // let the shutdown frames leave
   coord.stop();
+  print_recovery(sup.get());
   if (!out.ok) {
     fail_line(out.reason);
     return 1;
@@ -566,6 +576,7 @@ int run_launch(const job_options& job) {
   if (sup)
     sup->stop();
   coord.stop();
+  print_recovery(sup.get());
   if (!out.ok) {
     fail_line(out.reason);
     return 1;
