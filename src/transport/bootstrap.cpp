@@ -578,6 +578,8 @@ void coordinator::impl::on_disconnect(const conn_ptr& c) {
   }
   if (stopping)
     spdlog::info("coordinator: closed the connection of rank {}", rank);
+  else if (shutdown_sent) // the job is over: leaving is what it was told to do
+    spdlog::info("coordinator: rank {} left after the shutdown ({})", rank, c->peer);
   else
     spdlog::warn("coordinator: rank {} disconnected ({})", rank, c->peer);
   emit(worker_event{worker_event::type::disconnected, rank, {}, {}, incarnation});
