@@ -41,7 +41,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       return make_error(errc::invalid_argument,
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
                                     "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS[?], "
-                                    "hang@STEP:RANK, fault@STEP:RANK[:TIMES], kill-source@STEP)",
+                                    "hang@STEP:RANK[?], fault@STEP:RANK[:TIMES], kill-source@STEP)",
                                     item, why));
     };
     auto at = item.find('@');
@@ -54,7 +54,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       return bad("the step is not a number");
     // A trailing '?' on a kill or a stop: skipped when its target's group
     // is then the last live one.
-    if ((verb == "kill" || verb == "stop") && args.back().ends_with('?')) {
+    if ((verb == "kill" || verb == "stop" || verb == "hang") && args.back().ends_with('?')) {
       a.survivable = true;
       args.back().remove_suffix(1);
     }
@@ -91,45 +91,40 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
   return plan;
 }
 
-std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
-                                uint64_t last_step, uint32_t world_size, size_t faults,
-                                stop_draw stops) {
+std::vector<action> random_plan(uint64_t seed, uint64_t first_step, uint64_t last_step,
+                                uint32_t world_size, const random_counts& n) {
   std::vector<action> plan;
   if (last_step < first_step || world_size == 0)
     return plan;
-  uint64_t span = last_step - first_step + 1;
-  kills = std::min<size_t>(kills, span);
-  faults = std::min<size_t>(faults, span - kills);
-  stops.count = std::min<size_t>(stops.count, span - kills - faults);
+  const uint64_t span = last_step - first_step + 1;
   uint64_t counter = 0;
   auto draw = [&] { return splitmix64(seed + 0x9e3779b97f4a7c15ull * ++counter); };
-  std::set<uint64_t> steps;
-  while (steps.size() < kills)
-    steps.insert(first_step + draw() % span);
-  for (auto s : steps)
-    plan.push_back({action_kind::kill, s, static_cast<uint32_t>(draw() % world_size), 0, true});
-  // Faults after the kills are drawn, so that a seed's kills stay the same.
-  std::set<uint64_t> fault_steps;
-  while (fault_steps.size() < faults) {
-    auto s = first_step + draw() % span;
-    if (!steps.count(s))
-      fault_steps.insert(s);
-  }
-  for (auto s : fault_steps)
-    plan.push_back({action_kind::fault, s, static_cast<uint32_t>(draw() % world_size), 0, false});
-  // Stops last, so that a seed's kills and faults stay the same.
-  std::set<uint64_t> stop_steps;
-  while (stop_steps.size() < stops.count) {
-    auto s = first_step + draw() % span;
-    if (!steps.count(s) && !fault_steps.count(s))
-      stop_steps.insert(s);
-  }
-  const auto lo = std::max<int64_t>(stops.min_ms, 1);
-  const auto width = static_cast<uint64_t>(std::max(stops.max_ms, lo) - lo) + 1;
-  for (auto s : stop_steps) {
-    auto r = static_cast<uint32_t>(draw() % world_size);
+  std::set<uint64_t> taken;
+  // `count` steps not taken yet (as many as are left), in the order drawn.
+  auto steps = [&](size_t count) {
+    count = std::min<uint64_t>(count, span - taken.size());
+    std::set<uint64_t> mine;
+    while (mine.size() < count) {
+      auto s = first_step + draw() % span;
+      if (!taken.count(s))
+        mine.insert(s);
+    }
+    taken.insert(mine.begin(), mine.end());
+    return mine;
+  };
+  auto rank = [&] { return static_cast<uint32_t>(draw() % world_size); };
+  for (auto s : steps(n.kills))
+    plan.push_back({action_kind::kill, s, rank(), 0, true});
+  for (auto s : steps(n.faults))
+    plan.push_back({action_kind::fault, s, rank(), 0, false});
+  const auto lo = std::max<int64_t>(n.stop_min_ms, 1);
+  const auto width = static_cast<uint64_t>(std::max(n.stop_max_ms, lo) - lo) + 1;
+  for (auto s : steps(n.stops)) {
+    auto r = rank();
     plan.push_back({action_kind::stop, s, r, lo + static_cast<int64_t>(draw() % width), true});
   }
+  for (auto s : steps(n.hangs))
+    plan.push_back({action_kind::hang, s, rank(), 0, true});
   std::stable_sort(plan.begin(), plan.end(),
                    [](const action& x, const action& y) { return x.at_step < y.at_step; });
   return plan;
@@ -148,7 +143,9 @@ std::string to_string(const std::vector<action>& plan) {
         out += fmt::format("stop@{}:{}:{}{}", a.at_step, a.rank, a.stop_ms, a.survivable ? "?" : "");
         break;
       case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
-      case action_kind::hang: out += fmt::format("hang@{}:{}", a.at_step, a.rank); break;
+      case action_kind::hang:
+        out += fmt::format("hang@{}:{}{}", a.at_step, a.rank, a.survivable ? "?" : "");
+        break;
       case action_kind::fault:
         out += fmt::format("fault@{}:{}", a.at_step, a.rank);
         if (a.times != 1)

@@ -8,6 +8,7 @@
 //   stop@S:R:MS?       the same, skipped if R's group is then the last live one
 //   hang@S:R           SIGUSR1 rank R at step S: its trainer's next computation
 //                      hangs for good (a stuck kernel), for the step watchdog
+//   hang@S:R?          the same, skipped if R's group is then the last live one
 //   fault@S:R[:N]      SIGUSR2 rank R at step S, N times (1 by default): its
 //                      next N step attempts fail in their collectives (a
 //                      transport error) though every process lives, for the
@@ -16,7 +17,7 @@
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
 //   kill-coordinator   is not a plan action: the coordinator is the launcher
-// A seeded random plan (random_plan) picks kills, faults and stops at
+// A seeded random plan (random_plan) picks kills, faults, stops and hangs at
 // distinct steps; the seed
 // is printed with the plan, so a failing run can be replayed.
 #pragma once
@@ -37,8 +38,8 @@ struct action {
   uint64_t at_step = 0;
   uint32_t rank = 0;   // kill, stop, hang, fault
   int64_t stop_ms = 0; // stop
-  /// Kill and stop: skipped when its target's group is the last live one
-  /// (the random kills are; a written plan means what it says).
+  /// Kill, stop and hang: skipped when its target's group is the last live
+  /// one (the random ones are; a written plan means what it says).
   bool survivable = false;
   uint32_t times = 1; // fault
   bool operator==(const action&) const = default;
@@ -48,23 +49,23 @@ struct action {
 /// invalid_argument naming the bad action.
 expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_size);
 
-/// Random survivable SIGSTOPs: how many, and the range their lengths are
-/// drawn from (the launcher spans the heartbeat timeout with it, so that
-/// some stops are ridden out and the others taken for deaths).
-struct stop_draw {
-  size_t count = 0;
-  int64_t min_ms = 0;
-  int64_t max_ms = 0;
+/// How many actions of each kind a random plan draws.
+struct random_counts {
+  size_t kills = 0;  // survivable SIGKILLs
+  size_t faults = 0; // single faults
+  size_t stops = 0;  // survivable SIGSTOPs, each for a time drawn from
+  int64_t stop_min_ms = 0; // [stop_min_ms, stop_max_ms] (the launcher spans
+  int64_t stop_max_ms = 0; // the heartbeat timeout: some ridden out, some deaths)
+  size_t hangs = 0;  // survivable hangs, for the step watchdog
 };
 
-/// `kills` survivable SIGKILLs, then `faults` single faults, then
-/// `stops.count` survivable SIGSTOPs, all at distinct steps drawn from
-/// [first_step, last_step], each of a rank drawn from [0, world_size),
-/// sorted by step. Deterministic in its arguments; the kills do not depend
-/// on `faults` or `stops`, nor the faults on `stops`.
-std::vector<action> random_plan(uint64_t seed, size_t kills, uint64_t first_step,
-                                uint64_t last_step, uint32_t world_size, size_t faults = 0,
-                                stop_draw stops = {});
+/// The actions of `n`, each at a step of its own drawn from [first_step,
+/// last_step] (while steps are left), each of a rank drawn from [0,
+/// world_size), sorted by step. Deterministic in its arguments. The kinds
+/// are drawn in the order above, each after the one before: adding faults
+/// to a seed keeps its kills, adding stops its kills and faults, and so on.
+std::vector<action> random_plan(uint64_t seed, uint64_t first_step, uint64_t last_step,
+                                uint32_t world_size, const random_counts& n);
 
 /// The text form of a plan (parse_plan reads it back).
 std::string to_string(const std::vector<action>& plan);

@@ -31,7 +31,7 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
 
 TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
   for (const char* bad : {"kill@5", "kill@x:1", "kill@5:9", "stop@5:1", "stop@5:1:0", "stop@5:1?:9",
-                          "hang@3:1?", "kill@5?:1",
+                          "fault@3:1?", "kill@5?:1",
                           "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,", "hang@3",
                           "hang@3:7", "fault@3", "fault@3:9", "fault@3:1:0", "fault@3:1:101",
                           "fault@3:1:2:2"}) {
@@ -43,9 +43,9 @@ TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
 }
 
 TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in range") {
-  auto a = random_plan(42, 5, 2, 30, 4);
-  auto b = random_plan(42, 5, 2, 30, 4);
-  auto c = random_plan(43, 5, 2, 30, 4);
+  auto a = random_plan(42, 2, 30, 4, {.kills = 5});
+  auto b = random_plan(42, 2, 30, 4, {.kills = 5});
+  auto c = random_plan(43, 2, 30, 4, {.kills = 5});
   CHECK(a == b);
   CHECK(a != c);
   REQUIRE(a.size() == 5);
@@ -56,9 +56,9 @@ TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in r
     if (i > 0)
       CHECK(a[i].at_step > a[i - 1].at_step);
   }
-  CHECK(random_plan(1, 10, 5, 6, 2).size() == 2); // only two steps to pick from
+  CHECK(random_plan(1, 5, 6, 2, {.kills = 10}).size() == 2); // only two steps to pick from
   // Faults: at steps of their own; the kills stay those of the seed.
-  auto f = random_plan(42, 5, 2, 30, 4, 3);
+  auto f = random_plan(42, 2, 30, 4, {.kills = 5, .faults = 3});
   REQUIRE(f.size() == 8);
   std::vector<action> kills_of_f;
   size_t faults = 0;
@@ -71,7 +71,7 @@ TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in r
   }
   CHECK(faults == 3);
   CHECK(kills_of_f == a);
-  CHECK(random_plan(1, 1, 5, 6, 2, 5).size() == 2);
+  CHECK(random_plan(1, 5, 6, 2, {.kills = 1, .faults = 5}).size() == 2);
   auto fb = parse_plan(to_string(f), 4);
   REQUIRE(fb);
   CHECK(*fb == f);
@@ -84,10 +84,11 @@ TEST_CASE("chaos plans: a seeded random plan is deterministic, distinct and in r
 
 TEST_CASE("chaos plans: random stops take steps of their own, span the given lengths and leave "
           "the kills and faults of the seed alone") {
-  const auto kf = random_plan(42, 5, 2, 60, 4, 3);
-  const stop_draw draw{.count = 12, .min_ms = 750, .max_ms = 3000};
-  const auto p = random_plan(42, 5, 2, 60, 4, 3, draw);
-  CHECK(p == random_plan(42, 5, 2, 60, 4, 3, draw));
+  const auto kf = random_plan(42, 2, 60, 4, {.kills = 5, .faults = 3});
+  const random_counts draw{
+    .kills = 5, .faults = 3, .stops = 12, .stop_min_ms = 750, .stop_max_ms = 3000};
+  const auto p = random_plan(42, 2, 60, 4, draw);
+  CHECK(p == random_plan(42, 2, 60, 4, draw));
   REQUIRE(p.size() == 20);
   std::vector<action> others;
   size_t stops = 0, short_ones = 0;
@@ -117,8 +118,38 @@ TEST_CASE("chaos plans: random stops take steps of their own, span the given len
   REQUIRE(back);
   CHECK(*back == p);
   // No room left: the stops give way.
-  CHECK(random_plan(1, 1, 5, 7, 2, 1, {.count = 5, .min_ms = 10, .max_ms = 20}).size() == 3);
+  CHECK(random_plan(1, 5, 7, 2, {.kills = 1, .faults = 1, .stops = 5, .stop_min_ms = 10,
+                                 .stop_max_ms = 20})
+          .size()
+        == 3);
   // A degenerate range is one length.
-  for (auto& a : random_plan(3, 0, 1, 40, 2, 0, {.count = 6, .min_ms = 900, .max_ms = 900}))
+  for (auto& a : random_plan(3, 1, 40, 2, {.stops = 6, .stop_min_ms = 900, .stop_max_ms = 900}))
     CHECK(a.stop_ms == 900);
+}
+
+TEST_CASE("chaos plans: random hangs are survivable, at steps of their own, after the rest") {
+  const random_counts before{
+    .kills = 4, .faults = 2, .stops = 3, .stop_min_ms = 750, .stop_max_ms = 3000};
+  auto with = before;
+  with.hangs = 5;
+  const auto a = random_plan(9, 2, 80, 4, before);
+  const auto b = random_plan(9, 2, 80, 4, with);
+  REQUIRE(b.size() == a.size() + 5);
+  std::vector<action> rest;
+  for (auto& x : b) {
+    if (x.kind == action_kind::hang)
+      CHECK(x.survivable);
+    else
+      rest.push_back(x);
+  }
+  CHECK(rest == a); // the hangs leave every other action of the seed alone
+  auto back = parse_plan(to_string(b), 4);
+  REQUIRE(back);
+  CHECK(*back == b);
+  CHECK(to_string(b).find("hang@") != std::string::npos);
+  // Written by hand: "?" is allowed on a hang too, and kept.
+  auto h = parse_plan("hang@7:2?", 4);
+  REQUIRE(h);
+  CHECK((*h)[0].survivable);
+  CHECK(to_string(*h) == "hang@7:2?");
 }

@@ -1,15 +1,16 @@
 // Long chaos soaks (registered with CTest only under -DCMESH_SOAK=ON): many
 // seeded SIGKILLs, seeded faults (a step that fails with every process
-// alive, for the epoch to be re-formed) and seeded SIGSTOPs (from half a
+// alive, for the epoch to be re-formed), seeded SIGSTOPs (from half a
 // heartbeat timeout, ridden out, to two, taken for a death and fenced after
-// SIGCONT), over long runs, in every layout the
+// SIGCONT) and seeded hangs (the step watchdog, 2 s here, ends the rank),
+// over long runs, in every layout the
 // suite's short runs cover once. Exact mode must end bit-identical to the run without kills;
 // the device path (not exact) must end with one set of weights.
 //
 // Scale: CMESH_SOAK_ROUNDS (seeds per case, default 3), CMESH_SOAK_STEPS
 // (steps per run, default 300), CMESH_SOAK_KILLS (kills per run, default 8),
 // CMESH_SOAK_FAULTS (faults per run, default 2), CMESH_SOAK_STOPS (stops per
-// run, default 2).
+// run, default 2), CMESH_SOAK_HANGS (hangs per run, default 1).
 // Each round prints its seed; CMESH_SEED=N replays the first round's.
 // Every recovery must also end within a generous bound (a hang guard: a
 // wait that ran out a timeout instead of being told).
@@ -35,6 +36,7 @@ struct soak_params {
   uint64_t kills = env_or("CMESH_SOAK_KILLS", 8);
   uint64_t faults = env_or("CMESH_SOAK_FAULTS", 2);
   uint64_t stops = env_or("CMESH_SOAK_STOPS", 2);
+  uint64_t hangs = env_or("CMESH_SOAK_HANGS", 1);
 };
 
 size_t kills_in(const std::string& out) {
@@ -47,6 +49,10 @@ size_t faults_in(const std::string& out) {
 
 size_t stops_in(const std::string& out) {
   return captures(out, "(chaos: SIGSTOP)").size();
+}
+
+size_t hangs_in(const std::string& out) {
+  return captures(out, "(chaos: SIGUSR1)").size();
 }
 
 /// The longest time from a failure to the survivors' next commit that the
@@ -71,12 +77,13 @@ run_result soak_run(const std::string& args, uint64_t seed, const soak_params& p
                        + "--restart-delay-ms 100 --max-restarts 100 --chaos-first-step 5 "
                        + "--chaos-kills " + std::to_string(p.kills) + " --chaos-faults "
                        + std::to_string(p.faults) + " --chaos-stops "
-                       + std::to_string(p.stops) + " --chaos-seed "
+                       + std::to_string(p.stops) + " --chaos-hangs " + std::to_string(p.hangs)
+                       + " --step-timeout-ms 2000 --chaos-seed "
                        + std::to_string(seed) + " " + args,
                      {}, 1800s);
   MESSAGE(args << " seed " << seed << ": exit " << r.exit_code << ", " << kills_in(r.output)
                 << " kills, " << faults_in(r.output) << " faults, " << stops_in(r.output)
-                << " stops, " << r.took.count() / 1000.0 << " s, slowest recovery "
+                << " stops, " << hangs_in(r.output) << " hangs, " << r.took.count() / 1000.0 << " s, slowest recovery "
                 << slowest_recovery_ms(r.output) << " ms");
   return r;
 }

@@ -578,13 +578,13 @@ void supervisor::start() {
 
 namespace {
 
-/// The median (upper, for an even count) and the largest of `v`; 0 and 0
-/// when it is empty.
+/// The median (nearest rank: the lower middle of an even count) and the
+/// largest of `v`; 0 and 0 when it is empty.
 std::pair<int64_t, int64_t> median_and_max(std::vector<int64_t> v) {
   if (v.empty())
     return {0, 0};
   std::sort(v.begin(), v.end());
-  return {v[v.size() / 2], v.back()};
+  return {v[(v.size() - 1) / 2], v.back()};
 }
 
 } // namespace

@@ -360,16 +360,20 @@ int run_launch(const job_options& job) {
       return 2;
     }
     plan = std::move(*p);
-    if (job.supervise.chaos_kills > 0 || job.supervise.chaos_faults > 0
-        || job.supervise.chaos_stops > 0) {
-      auto first = job.supervise.chaos_first_step;
+    const auto& sv = job.supervise;
+    if (sv.chaos_kills > 0 || sv.chaos_faults > 0 || sv.chaos_stops > 0 || sv.chaos_hangs > 0) {
+      auto first = sv.chaos_first_step;
       // Stops from half a heartbeat timeout (ridden out: the others wait
       // for it) to two (taken for a death: fenced after SIGCONT, restarted).
-      const auto hb = job.supervise.heartbeat_timeout_ms;
-      auto more = chaos::random_plan(job.supervise.chaos_seed, job.supervise.chaos_kills, first,
-                                     target > first + 2 ? target - 2 : first, job.world_size,
-                                     job.supervise.chaos_faults,
-                                     {job.supervise.chaos_stops, hb / 2, 2 * hb});
+      const auto hb = sv.heartbeat_timeout_ms;
+      auto more = chaos::random_plan(sv.chaos_seed, first, target > first + 2 ? target - 2 : first,
+                                     job.world_size,
+                                     {.kills = sv.chaos_kills,
+                                      .faults = sv.chaos_faults,
+                                      .stops = sv.chaos_stops,
+                                      .stop_min_ms = hb / 2,
+                                      .stop_max_ms = 2 * hb,
+                                      .hangs = sv.chaos_hangs});
       plan.insert(plan.end(), more.begin(), more.end());
       std::stable_sort(plan.begin(), plan.end(),
                        [](auto& a, auto& b) { return a.at_step < b.at_step; });
@@ -393,6 +397,11 @@ int run_launch(const job_options& job) {
   fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);
   if (!plan.empty())
     fmt::print("cmesh: chaos plan {} (seed {})\n", chaos::to_string(plan), job.supervise.chaos_seed);
+  if (std::any_of(plan.begin(), plan.end(),
+                  [](auto& a) { return a.kind == chaos::action_kind::hang; }))
+    fmt::print("cmesh: chaos: a hung rank is ended by its step watchdog after {} ms "
+               "(--step-timeout-ms)\n",
+               job.supervise.step_timeout_ms);
   auto exe = self_exe_dir() + "/cmesh";
   std::vector<child_process> workers(job.world_size);
   auto t0 = std::chrono::steady_clock::now();
@@ -474,8 +483,6 @@ int run_launch(const job_options& job) {
           if (!v.catchup_source || others_live(*v.catchup_source) == 0)
             break;
           signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
-        } else if (a.kind == chaos::action_kind::hang) {
-          signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::fault) {
           // One signal per failed attempt; apart, so that none merges with
           // one still pending.
@@ -485,11 +492,15 @@ int run_launch(const job_options& job) {
             signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
           }
         } else if (a.survivable && others_live(a.rank) == 0) {
-          // A survivable kill or stop of the last live group.
+          // A survivable kill, stop or hang of the last live group.
           fmt::print("cmesh: chaos: skipped {} of rank {} at step {}: its group is the last "
                      "live one\n",
-                     a.kind == chaos::action_kind::kill ? "SIGKILL" : "SIGSTOP", a.rank,
-                     v.max_member_step);
+                     a.kind == chaos::action_kind::kill   ? "SIGKILL"
+                     : a.kind == chaos::action_kind::stop ? "SIGSTOP"
+                                                          : "SIGUSR1 (hang)",
+                     a.rank, v.max_member_step);
+        } else if (a.kind == chaos::action_kind::hang) {
+          signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill) {
           signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
         } else {

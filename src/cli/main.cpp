@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   launch->add_option("--chaos", job.supervise.chaos,
                      "faults to inject: kill@STEP:RANK, stop@STEP:RANK:MS, hang@STEP:RANK, "
                      "fault@STEP:RANK[:TIMES], kill-source@STEP (comma-separated; a '?' after "
-                     "a kill or a stop skips it when its group is the last live one)");
+                     "a kill, a stop or a hang skips it when its group is the last live one)");
   launch->add_option("--chaos-kills", job.supervise.chaos_kills,
                      "SIGKILLs of random ranks at random steps, drawn with --chaos-seed");
   launch->add_option("--chaos-faults", job.supervise.chaos_faults,
@@ -111,11 +111,14 @@ int main(int argc, char** argv) {
   launch->add_option("--chaos-stops", job.supervise.chaos_stops,
                      "SIGSTOPs of random ranks at random steps, each from half a heartbeat "
                      "timeout (ridden out) to two (taken for a death), drawn with --chaos-seed");
+  launch->add_option("--chaos-hangs", job.supervise.chaos_hangs,
+                     "hangs of random ranks at random steps (hang@; the step watchdog, "
+                     "--step-timeout-ms, ends each), drawn with --chaos-seed");
   launch->add_option("--chaos-seed", job.supervise.chaos_seed,
-                     "seed of --chaos-kills, --chaos-faults and --chaos-stops")
+                     "seed of --chaos-kills, --chaos-faults, --chaos-stops and --chaos-hangs")
     ->capture_default_str();
   launch->add_option("--chaos-first-step", job.supervise.chaos_first_step,
-                     "the random kills, faults and stops fall at this step or later")
+                     "the random actions fall at this step or later")
     ->capture_default_str();
 
   try {

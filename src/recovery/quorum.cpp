@@ -260,9 +260,17 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
       }
       if (survivors.size() >= o.min_replicas && 2 * survivors.size() > known)
         return form(survivors, window);
-      return finish(decision_kind::wait, std::to_string(survivors.size()) + " of " +
-                                             groups(known) + " heard from survive" + lost_text +
-                                             "; " + window);
+      // The survivors alone are too few, or no majority, but with the
+      // joiners (ready: caught up) they are enough (steps 3 and 4). They
+      // stand still until an epoch forms, so it forms now, joiners
+      // included, rather than at the window's close: the window batches
+      // joins while an epoch trains on, and a joiner ready a moment later
+      // grows the new epoch at a step boundary, stalling nobody.
+      d.pending.clear();
+      d.retry_at_ms.reset();
+      return form(all, "joining " + to_string(joiner_ids) + " admitted at once: the " +
+                         std::to_string(survivors.size()) + " surviving of " + groups(known) +
+                         " heard from are no quorum alone");
     }
   }
 

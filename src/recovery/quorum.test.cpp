@@ -208,13 +208,46 @@ TEST_CASE("quorum: min_replicas not met: wait while someone joins, else fail") {
   CHECK(w.reason.find("min_replicas 3, joining [g1#2]") != std::string::npos);
   CHECK(w.reason.find("waiting for more groups") != std::string::npos);
 
-  // With min_replicas 2 the survivor and the joiner are a majority of 3 once
-  // the window closes; before that the lone survivor is no majority: wait.
+  // With min_replicas 2 the survivor and the joiner are enough, and the
+  // lone survivor is not: the epoch forms at once with the joiner, not at
+  // the join window's close (the survivor is stalled until it forms).
   auto before = compute_quorum(s, now, opts(2, 500));
-  CHECK(before.kind == decision_kind::wait);
-  CHECK(*before.retry_at_ms == now + 400);
+  CHECK(before.kind == decision_kind::new_epoch);
+  CHECK(before.epoch == make_epoch(5, {{0, 1}, {1, 2}}));
+  CHECK(before.joined == std::vector<member>{{1, 2}});
+  CHECK(before.pending.empty());
+  CHECK(before.reason.find("joining [g1#2] admitted at once") != std::string::npos);
   auto after = compute_quorum(s, now + 400, opts(2, 500));
   CHECK(after.kind == decision_kind::new_epoch);
+  CHECK(after.epoch == before.epoch);
+}
+
+TEST_CASE("quorum: a loss that leaves no majority admits the ready joiners at once; one that "
+          "leaves a majority forms without them and keeps the window") {
+  const int64_t now = 10'000;
+  quorum_state s;
+  s.current = make_epoch(3, {{0, 1}, {1, 1}});
+  // g2 (a restarted group) is ready since t=9900 (the window runs to
+  // 10400), and g0 dies now: the lone survivor g1 is 1 of 2 groups heard
+  // from (g1, g2), no majority alone; with g2 it is.
+  s.participants = {hb({0, 1}, now, 2000), hb({1, 1}, now), hb({2, 1}, now, 10, now - 100)};
+  auto d = compute_quorum(s, now, opts(1, 500));
+  CHECK(d.kind == decision_kind::new_epoch);
+  CHECK(d.epoch == make_epoch(4, {{1, 1}, {2, 1}}));
+  CHECK(d.left == std::vector<member>{{0, 1}});
+  CHECK(d.joined == std::vector<member>{{2, 1}});
+  CHECK_FALSE(d.retry_at_ms);
+  // Three members, one lost: the two survivors are a majority of the three
+  // heard from (with the joiner); they go on alone and the joiner waits
+  // for the window, as before.
+  s.current = make_epoch(3, {{0, 1}, {1, 1}, {3, 1}});
+  s.participants.push_back(hb({3, 1}, now));
+  auto m = compute_quorum(s, now, opts(1, 500));
+  CHECK(m.kind == decision_kind::new_epoch);
+  CHECK(m.epoch == make_epoch(4, {{1, 1}, {3, 1}}));
+  CHECK(m.pending == std::vector<member>{{2, 1}});
+  REQUIRE(m.retry_at_ms);
+  CHECK(*m.retry_at_ms == now + 400);
 }
 
 TEST_CASE("quorum: every group dead: fail, restart from checkpoint") {
