@@ -57,13 +57,13 @@ size_t hangs_in(const std::string& out) {
 
 /// The longest time from a failure to the survivors' next commit that the
 /// launcher reported ("epoch N committed step S, X ms after it began, Y ms
-/// after the last failure"). Recovery is pushed, so it takes about a
+/// after the failure"). Recovery is pushed, so it takes about a
 /// second even on a loaded machine; tens of seconds mean a wait ran out a
 /// timeout (30 s for an epoch's rendezvous or a collective) instead of
 /// being told.
 double slowest_recovery_ms(const std::string& out) {
   double worst = 0;
-  for (auto& v : captures(out, "ms after it began, ([0-9]+) ms after the last failure"))
+  for (auto& v : captures(out, "ms after it began, ([0-9]+) ms after the failure"))
     worst = std::max(worst, std::stod(v));
   return worst;
 }

@@ -122,7 +122,7 @@ void check_summary(const job& j) {
   CHECK(s.num("rejoined") == count("catchup_end", any));
   // One resolved failure per first commit that followed a failure.
   CHECK(s.num("failures_resolved") >= (s.num("ranks_lost") > 0 ? 1 : 0));
-  CHECK(s.num("failures_resolved") <= count("first_commit", [](auto& e) {
+  CHECK(s.num("failures_resolved") == count("first_commit", [](auto& e) {
     return e.num("since_failure_ms") >= 0;
   }));
   CHECK(s.num("failure_to_commit_p50_ms") >= 0);

@@ -73,7 +73,6 @@ struct supervisor::impl {
   uint64_t max_member_step = 0;
   uint64_t epoch_base_step = 0;
   bool first_commit_seen = true;
-  int64_t last_failure_ms = 0;
   int64_t unresolved_failure_ms = 0; // the first failure no commit followed yet
   supervisor::recovery_summary stats;
   uint32_t reforms_in_a_row = 0; // broken epochs re-formed with no commit since
@@ -94,7 +93,6 @@ struct supervisor::impl {
 
   /// A member lost, or a step failed: the survivors' next commit ends it.
   void failure_at(int64_t now) {
-    last_failure_ms = now;
     if (unresolved_failure_ms == 0)
       unresolved_failure_ms = now;
   }
@@ -213,21 +211,23 @@ void supervisor::impl::on_event(const worker_event& ev) {
           && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
         first_commit_seen = true;
         reforms_in_a_row = 0;
-        if (unresolved_failure_ms != 0) {
-          stats.failure_to_commit_ms.push_back(now - unresolved_failure_ms);
-          unresolved_failure_ms = 0;
-        }
         event_fields f{{"epoch", current.id},
                        {"step", ev.status.step},
                        {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
-        if (last_failure_ms != 0)
-          f.emplace_back("since_failure_ms", static_cast<int64_t>(now - last_failure_ms));
+        // The first commit after a failure (an epoch grown by a join, long
+        // after, is not a recovery): timed from the first failure found
+        // since the last commit.
+        std::string since;
+        if (unresolved_failure_ms != 0) {
+          const int64_t ms = now - unresolved_failure_ms;
+          stats.failure_to_commit_ms.push_back(ms);
+          unresolved_failure_ms = 0;
+          f.emplace_back("since_failure_ms", ms);
+          since = fmt::format(", {} ms after the failure", ms);
+        }
         log->emit("first_commit", f);
         say(fmt::format("epoch {} committed step {}, {} ms after it began{}", current.id,
-                        ev.status.step, now - epoch_started_ms,
-                        last_failure_ms != 0
-                          ? fmt::format(", {} ms after the last failure", now - last_failure_ms)
-                          : std::string()));
+                        ev.status.step, now - epoch_started_ms, since));
       }
       if (ev.status.broken_epoch != 0 && ev.status.broken_epoch != w.st.broken_epoch) {
         w.broken_since_ms = now;
