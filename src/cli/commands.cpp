@@ -91,6 +91,7 @@ void print_recovery(const actors::supervisor* sup) {
     return;
   if (auto line = sup->summary().describe(); !line.empty())
     fmt::print("cmesh: recovery: {}\n", line);
+  std::fflush(stdout); // before an error line on stderr
 }
 
 /// The supervisor of a training job, from the flags.
