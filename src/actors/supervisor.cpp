@@ -45,6 +45,7 @@ struct supervisor::impl {
     uint64_t assigned_session = 0;
     bool lost_reported = false;
     int64_t lost_ms = 0; // when it was found dead
+    std::string lost_why; // and how ("disconnected", "silent for more than ...")
     int64_t broken_since_ms = 0; // when it reported st.broken_epoch broken
     int64_t registered_ms = 0;
   };
@@ -163,6 +164,7 @@ void supervisor::impl::lost(uint32_t rank, worker& w, const std::string& why, in
     return;
   w.lost_reported = true;
   w.lost_ms = now;
+  w.lost_why = why;
   bool member = is_member(rank, w.incarnation);
   if (member) {
     failure_at(now);
@@ -420,9 +422,13 @@ void supervisor::impl::decide(int64_t now) {
       recovery::participant p;
       p.who = *m;
       p.last_heartbeat_ms = hb;
-      // The earliest of its ranks' reports that the current epoch broke.
+      // The earliest of its ranks' reports that the current epoch broke,
+      // and how its dead ranks were found dead.
       for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
         auto& w = workers[r];
+        if (w.lost_reported)
+          p.lost_reason += (p.lost_reason.empty() ? "" : "; ")
+                           + fmt::format("rank {} {} at t={} ms", r, w.lost_why, w.lost_ms);
         if (w.st.broken_epoch != current.id || w.broken_since_ms == 0)
           continue;
         if (p.broken_since_ms == 0 || w.broken_since_ms < p.broken_since_ms)

@@ -108,7 +108,8 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
     } else if (p->who.incarnation > m.incarnation) {
       lost.push_back({m, "superseded by " + to_string(p->who)});
     } else if (!live(*p)) {
-      lost.push_back({m, "silent since " + t(p->last_heartbeat_ms)});
+      lost.push_back(
+        {m, p->lost_reason.empty() ? "silent since " + t(p->last_heartbeat_ms) : p->lost_reason});
     } else {
       survivors.push_back(m);
       if (p->broken_since_ms != 0)

@@ -96,6 +96,9 @@ struct participant {
   /// (0: no report), and why.
   int64_t broken_since_ms = 0;
   std::string broken_reason;
+  /// Why it is known dead, when the caller knows ("rank 1 disconnected at
+  /// t=..."); empty: a lost member is described by its silence.
+  std::string lost_reason;
 };
 
 struct quorum_state {

@@ -259,6 +259,16 @@ TEST_CASE("quorum: every group dead: fail, restart from checkpoint") {
   CHECK(d.kind == decision_kind::fail);
   CHECK(d.reason == "every replica group of epoch 9 is dead: g0#3 (silent since t=29000 ms), g1#2 "
                     "(silent since t=28000 ms); restart from checkpoint needed");
+  // Where the caller knows how a member died, the reason says so.
+  s.participants[0].lost_reason = "rank 0 disconnected at t=29000 ms";
+  auto told = compute_quorum(s, now, opts());
+  CHECK(told.reason == "every replica group of epoch 9 is dead: g0#3 (rank 0 disconnected at "
+                       "t=29000 ms), g1#2 (silent since t=28000 ms); restart from checkpoint "
+                       "needed");
+  // A live member's reason is never read.
+  s.participants = {hb({0, 3}, now), hb({1, 2}, now)};
+  s.participants[0].lost_reason = "stale";
+  CHECK(compute_quorum(s, now, opts()).kind == decision_kind::keep);
   s.participants.clear();
   CHECK(compute_quorum(s, now, opts()).kind == decision_kind::fail);
 }
