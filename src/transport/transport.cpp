@@ -378,7 +378,10 @@ struct transport::impl {
   bool drain_commands();
   caf::error send_on_lane(peer_state& p, command&& c);
   void flush_pending();
-  void post_or_hold(peer_state& p, command&& c);
+  /// Posts `c`, or holds it behind `p`'s pending frames. `counted`: it is
+  /// already in pending_frames (a drained batch), and leaves the count if
+  /// posted.
+  void post_or_hold(peer_state& p, command&& c, bool counted = false);
   void post_send(peer_state& p, command&& c);
   bool poll_frames();
   void accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_info_t& info);
@@ -525,22 +528,29 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
     // the deadline, not until the first wake-up: the lane moves a drained
     // batch into the per-peer pending queues outside the lock, so the
     // count can dip below the bound and rise again.
+    // What ends the wait decides: space (the frame goes in), the deadline
+    // with the queue still full, the peer fenced, or the transport stopped.
     const auto deadline = std::chrono::steady_clock::now()
                           + std::chrono::milliseconds(impl_->opts.send_block_ms);
+    bool waited_out = false;
     while (full() && p->alive && !impl_->stopped) {
       ++impl_->space_waiters;
       auto woke = impl_->space_cv.wait_until(g, deadline);
       --impl_->space_waiters;
-      if (woke == std::cv_status::timeout)
+      if (woke == std::cv_status::timeout) {
+        waited_out = full();
         break;
+      }
     }
-    if (full() || !p->alive) {
+    if (waited_out || !p->alive) {
       ++impl_->counters.refused;
       return make_error(errc::queue_full, "send queue holds "
                                             + std::to_string(impl_->opts.send_queue_max)
                                             + " frames after waiting "
                                             + std::to_string(impl_->opts.send_block_ms) + " ms");
     }
+    if (impl_->stopped)
+      return make_error(errc::closed, "transport is stopped");
     impl_->queue.push_back(command{peer, std::move(frame), std::move(payload)});
     ++impl_->queued;
   }
@@ -691,25 +701,36 @@ bool transport::impl::drain_commands() {
   {
     std::lock_guard<std::mutex> g(queue_mtx);
     batch.swap(queue);
+    // The batch stays counted (as pending) until each frame is posted or
+    // held: a sender waiting for space must never see the occupancy dip
+    // while the batch moves (it once took the dip for space, then found
+    // the queue full again and failed with queue_full in milliseconds,
+    // not after its wait).
+    pending_frames += static_cast<int64_t>(batch.size());
     queued.store(0);
   }
-  notify_space();
   for (auto& c : batch) {
     auto* p = peer(c.peer);
-    if (p == nullptr || !p->alive)
+    if (p == nullptr || !p->alive) {
+      --pending_frames;
       continue;
-    post_or_hold(*p, std::move(c));
+    }
+    post_or_hold(*p, std::move(c), true);
   }
+  notify_space();
   return true;
 }
 
-void transport::impl::post_or_hold(peer_state& p, command&& c) {
+void transport::impl::post_or_hold(peer_state& p, command&& c, bool counted) {
   // Behind earlier held frames, or over the in-flight bound: held, in order.
   if (p.inflight.load() >= opts.inflight_per_peer_max || !p.pending.empty()) {
     p.pending.push_back(std::move(c));
-    ++pending_frames;
+    if (!counted)
+      ++pending_frames;
   } else {
     post_send(p, std::move(c));
+    if (counted)
+      --pending_frames;
   }
 }
 
