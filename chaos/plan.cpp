@@ -52,8 +52,8 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
     action a;
     if (!number(args[0], a.at_step))
       return bad("the step is not a number");
-    // A trailing '?' on a kill or a stop: skipped when its target's group
-    // is then the last live one.
+    // A trailing '?' on a kill, a stop or a hang: skipped when its
+    // target's group is then the last live one.
     if ((verb == "kill" || verb == "stop" || verb == "hang") && args.back().ends_with('?')) {
       a.survivable = true;
       args.back().remove_suffix(1);

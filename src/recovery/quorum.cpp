@@ -250,6 +250,18 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
     const int64_t closes = first_join + o.join_window_ms;
     const bool everyone = state.expected_groups > 0 && all.size() >= state.expected_groups;
     if (now_ms < closes && !everyone) {
+      // After a loss, the survivors alone may be too few, or no majority,
+      // though with the joiners (ready: caught up) they are enough (steps 3
+      // and 4). They stand still until an epoch forms, so it forms now,
+      // joiners included, rather than at the window's close: the window
+      // batches joins while an epoch trains on, and a joiner ready a moment
+      // later grows the new epoch at a step boundary, stalling nobody.
+      const bool survivors_enough =
+        survivors.size() >= o.min_replicas && 2 * survivors.size() > known;
+      if (!lost.empty() && !survivors_enough)
+        return form(all, "joining " + to_string(joiner_ids) + " admitted at once: the " +
+                           std::to_string(survivors.size()) + " surviving of " + groups(known) +
+                           " heard from are no quorum alone");
       d.pending = joiner_ids;
       d.retry_at_ms = closes;
       const std::string window = "joining " + to_string(joiner_ids) +
@@ -259,19 +271,7 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
           return finish(decision_kind::wait, "no epoch yet: " + window);
         return keep_or_reform("epoch " + std::to_string(cur.id) + " kept: " + window, window);
       }
-      if (survivors.size() >= o.min_replicas && 2 * survivors.size() > known)
-        return form(survivors, window);
-      // The survivors alone are too few, or no majority, but with the
-      // joiners (ready: caught up) they are enough (steps 3 and 4). They
-      // stand still until an epoch forms, so it forms now, joiners
-      // included, rather than at the window's close: the window batches
-      // joins while an epoch trains on, and a joiner ready a moment later
-      // grows the new epoch at a step boundary, stalling nobody.
-      d.pending.clear();
-      d.retry_at_ms.reset();
-      return form(all, "joining " + to_string(joiner_ids) + " admitted at once: the " +
-                         std::to_string(survivors.size()) + " surviving of " + groups(known) +
-                         " heard from are no quorum alone");
+      return form(survivors, window);
     }
   }
 

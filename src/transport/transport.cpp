@@ -524,12 +524,11 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
     auto full = [&] {
       return impl_->queued.load() + impl_->pending_frames.load() >= impl_->opts.send_queue_max;
     };
-    // Backpressure: wait a bounded time for the data lane to drain. Until
-    // the deadline, not until the first wake-up: the lane moves a drained
-    // batch into the per-peer pending queues outside the lock, so the
-    // count can dip below the bound and rise again.
-    // What ends the wait decides: space (the frame goes in), the deadline
-    // with the queue still full, the peer fenced, or the transport stopped.
+    // Backpressure: wait a bounded time for the data lane to drain (it
+    // keeps a drained batch counted until it moved, so the count never
+    // dips below what is queued). What ends the wait decides: space (the
+    // frame goes in), the deadline with the queue still full, the peer
+    // fenced, or the transport stopped.
     const auto deadline = std::chrono::steady_clock::now()
                           + std::chrono::milliseconds(impl_->opts.send_block_ms);
     bool waited_out = false;
