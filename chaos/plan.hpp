@@ -13,6 +13,9 @@
 //                      next N step attempts fail in their collectives (a
 //                      transport error) though every process lives, for the
 //                      coordinator to re-form the broken epoch
+//   flip@S:R           SIGRTMIN to rank R at step S: its trainer flips one bit
+//                      of its weights at its next step boundary (silent data
+//                      corruption), for replica verification to catch
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
@@ -31,12 +34,12 @@
 
 namespace cmesh::chaos {
 
-enum class action_kind : uint8_t { kill, stop, kill_source, hang, fault };
+enum class action_kind : uint8_t { kill, stop, kill_source, hang, fault, flip };
 
 struct action {
   action_kind kind = action_kind::kill;
   uint64_t at_step = 0;
-  uint32_t rank = 0;   // kill, stop, hang, fault
+  uint32_t rank = 0;   // kill, stop, hang, fault, flip
   int64_t stop_ms = 0; // stop
   /// Kill, stop and hang: skipped when its target's group is the last live
   /// one (the random ones are; a written plan means what it says).

@@ -24,6 +24,11 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
   CHECK((*s)[1] == action{action_kind::stop, 8, 2, 3000, true});
   CHECK((*s)[0] == action{action_kind::kill, 5, 1, 0, true});
   CHECK(to_string(*s) == "kill@5:1?,stop@8:2:3000?");
+  // A flip: a bit of rank R's weights, never survivable-marked.
+  auto f = parse_plan("flip@7:2", 4);
+  REQUIRE(f);
+  CHECK((*f)[0] == action{action_kind::flip, 7, 2, 0});
+  CHECK(to_string(*f) == "flip@7:2");
   auto empty = parse_plan("", 4);
   REQUIRE(empty);
   CHECK(empty->empty());
@@ -34,7 +39,7 @@ TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
                           "fault@3:1?", "kill@5?:1",
                           "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,", "hang@3",
                           "hang@3:7", "fault@3", "fault@3:9", "fault@3:1:0", "fault@3:1:101",
-                          "fault@3:1:2:2"}) {
+                          "fault@3:1:2:2", "flip@3", "flip@3:4", "flip@3:1?", "flip@3:1:2"}) {
     auto p = parse_plan(bad, 4);
     CAPTURE(bad);
     REQUIRE_FALSE(p);

@@ -185,4 +185,31 @@ inline run_result run_cmesh(const std::string& args, const std::vector<std::pair
   return r;
 }
 
+/// `cmesh ARGS > out 2>&1`, exec'd so that the child's pid is cmesh's.
+inline child_process spawn_cmesh(const std::string& args, const std::string& out,
+                                 const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  auto c = child_process::spawn("/bin/sh",
+                                {"-c", "exec " + bin_dir() + "/cmesh " + args + " >" + out + " 2>&1"},
+                                env);
+  REQUIRE(c.pid() > 0);
+  return c;
+}
+
+/// A whole file's text ("" when it cannot be read).
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+/// A port that was free a moment ago on 127.0.0.1 (a coordinator bound it).
+inline uint16_t free_port() {
+  coordinator probe(coordinator_options{});
+  REQUIRE_FALSE(probe.start());
+  auto port = probe.port();
+  probe.stop();
+  return port;
+}
+
 } // namespace cmesh::testing

@@ -103,7 +103,7 @@ void check_identical(const job& j, size_t ranks_done) {
 
 /// The job's recovery summary (its last line and the event log's
 /// "recovery_summary") agrees with the events the log holds.
-void check_summary(const job& j) {
+void check_summary(const job& j, int64_t divergences = 0) {
   const auto& ev = j.events;
   int at = find_event(ev, 0, "recovery_summary", [](auto&) { return true; });
   REQUIRE(at >= 0);
@@ -128,6 +128,9 @@ void check_summary(const job& j) {
   CHECK(s.num("failure_to_commit_p50_ms") >= 0);
   CHECK(s.num("failure_to_commit_max_ms") >= s.num("failure_to_commit_p50_ms"));
   CHECK(s.num("rejoin_max_ms") >= s.num("rejoin_p50_ms"));
+  // Replica verification: no false alarm across kills, stops and faults.
+  CHECK(s.num("divergences") == divergences);
+  CHECK(count("replica_divergence", any) == divergences);
   auto line = captures(j.r.output, "cmesh: recovery: ([0-9]+) rank\\(s\\) lost");
   REQUIRE(line.size() == 1);
   CHECK(std::stoll(line[0]) == s.num("ranks_lost"));
@@ -230,9 +233,12 @@ TEST_CASE("the device path: a killed group's loss aborts the device collectives,
   // Not exact, a step takes a few milliseconds: long enough a run that the
   // restarted group rejoins before the end on a busy machine too.
   constexpr int long_run = 400;
-  auto j = launch(args + " --device emulated --restart-delay-ms 200", false, long_run);
+  // Every step verified: replicas agree bit for bit on the device path.
+  auto j = launch(args + " --device emulated --restart-delay-ms 200 --verify-every 1", false,
+                  long_run);
   INFO(j.r.output);
   REQUIRE(j.r.exit_code == 0);
+  CHECK(find_event(j.events, 0, "replica_divergence", [](auto&) { return true; }) < 0);
   CHECK(j.r.output.find("gradients summed on the device") != std::string::npos);
   auto& ev = j.events;
   int shrink = find_event(ev, 0, "epoch", [&](auto& e) { return e.field("left") == left; });
@@ -263,9 +269,10 @@ TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one 
     CAPTURE(sharding);
     auto base = "/tmp/cmesh_recovery_ep_" + std::to_string(getpid());
     std::ofstream(base + ".toml") << "[train]\nsharding = \"" << sharding << "\"\n";
+    // Every step verified: replicas agree bit for bit outside exact mode.
     auto r = run_cmesh("launch -n 4 --replicas 2 --steps 100 --log-every 20 --restart-delay-ms 200 "
-                       "--chaos kill@10:1,kill@70:2? --config " + base + ".toml --events " + base
-                         + ".jsonl",
+                       "--verify-every 1 --chaos kill@10:1,kill@70:2? --config " + base
+                         + ".toml --events " + base + ".jsonl",
                        {}, 300s);
     auto ev = read_events(base + ".jsonl");
     std::remove((base + ".jsonl").c_str());
@@ -280,6 +287,7 @@ TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one 
       kills += e.name == "chaos" ? 1 : 0;
       grows += e.name == "epoch" && e.field("joined").size() > 2 ? 1 : 0;
     }
+    CHECK(find_event(ev, 0, "replica_divergence", [](auto&) { return true; }) < 0);
     CHECK(kills >= 1); // the second is skipped if group 0 is not back by then
     CHECK(grows >= 2); // the first epoch, and the restarted group's return
     auto ws = captures(r.output, "done \\(steps=100 .*weights=([0-9a-f]{16})\\)");
@@ -292,7 +300,9 @@ TEST_CASE("exact mode: seeded random kills and stops, a kill of a catch-up sourc
           "bit-identical") {
   auto seed = test_seed();
   MESSAGE("chaos seed " << seed << " (CMESH_SEED=" << seed << " replays it)");
-  auto j = launch("-n 3 --restart-delay-ms 100 --max-restarts 20 --chaos kill@4:1,kill-source@5 "
+  // Every step verified: no false alarm, whatever the kills and stops do.
+  auto j = launch("-n 3 --restart-delay-ms 100 --max-restarts 20 --verify-every 1 "
+                  "--chaos kill@4:1,kill-source@5 "
                   "--chaos-kills 2 --chaos-stops 2 --chaos-first-step 20 --chaos-seed "
                   + std::to_string(seed));
   INFO(j.r.output);
@@ -325,6 +335,100 @@ TEST_CASE("exact mode: seeded random kills and stops, a kill of a catch-up sourc
   REQUIRE(!ws.empty());
   for (auto& w : ws)
     CHECK(w == reference_weights());
+}
+
+namespace {
+
+/// The step at which the flipped rank's trainer flipped its bit.
+int64_t flipped_at(const std::string& output) {
+  auto at = captures(output, "chaos flip: bit 0 of weight [0-9]+ \\([^)]*\\) flipped at step "
+                             "([0-9]+)");
+  REQUIRE(at.size() == 1);
+  return std::stoll(at[0]);
+}
+
+} // namespace
+
+TEST_CASE("replica verification: a flipped bit is caught, its group fenced and restarted, the "
+          "weights are the reference's") {
+  // Every step verified: the flip is caught in the step that first computes
+  // with it, before any update made from it is committed.
+  std::string args, left, shard;
+  int64_t flipped = 0;
+  size_t ranks = 0;
+  SUBCASE("3 groups of one rank") {
+    args = "-n 3 --chaos flip@5:1";
+    flipped = 1, ranks = 3, left = "[1]", shard = "[0]";
+  }
+  SUBCASE("3 groups of two ranks: the group of the flipped rank leaves whole") {
+    args = "-n 6 --replicas 3 --chaos flip@5:3";
+    flipped = 3, ranks = 6, left = "[2,3]", shard = "[1]";
+  }
+  CAPTURE(args);
+  auto j = launch(args + " --restart-delay-ms 100 --verify-every 1");
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  auto& ev = j.events;
+  int div = find_event(ev, 0, "replica_divergence", [](auto&) { return true; });
+  REQUIRE(div >= 0);
+  CHECK(ev[div].num("step") == flipped_at(j.r.output));
+  CHECK(ev[div].field("groups") == "[1]");
+  CHECK(ev[div].field("ranks") == left);
+  CHECK(ev[div].field("shards") == shard);
+  CHECK(ev[div].field("no_majority") == "false");
+  CHECK(ev[div].field("tensors").find("rank " + std::to_string(flipped) + " (group 1): ")
+        != std::string::npos);
+  CHECK(ev[div].field("tensors").find("(weights)") != std::string::npos);
+  // Only one report, and no other divergence afterwards.
+  CHECK(find_event(ev, div + 1, "replica_divergence", [](auto&) { return true; }) < 0);
+  int lost = find_event(ev, div, "worker_lost", [&](auto& e) {
+    return e.num("rank") == flipped && e.field("reason").find("diverged") != std::string::npos;
+  });
+  REQUIRE(lost >= 0);
+  int shrink = find_event(ev, lost, "epoch", [&](auto& e) { return e.field("left") == left; });
+  REQUIRE(shrink >= 0);
+  int exit = find_event(ev, shrink, "worker_exit", [&](auto& e) {
+    return e.num("rank") == flipped && e.field("status").find("fenced") != std::string::npos;
+  });
+  REQUIRE(exit >= 0);
+  CHECK(find_event(ev, exit, "epoch", [&](auto& e) { return e.field("joined") == left; }) >= 0);
+  check_summary(j, 1);
+  check_identical(j, ranks);
+}
+
+TEST_CASE("replica verification every N steps: caught within N steps") {
+  constexpr int every = 4;
+  auto j = launch("-n 3 --restart-delay-ms 100 --verify-every " + std::to_string(every)
+                    + " --chaos flip@9:2",
+                  false, 30);
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  int div = find_event(j.events, 0, "replica_divergence", [](auto&) { return true; });
+  REQUIRE(div >= 0);
+  const auto at = j.events[div].num("step"), flip = flipped_at(j.r.output);
+  CHECK(at % every == 0);
+  CHECK(at >= flip);
+  CHECK(at < flip + every);
+  CHECK(j.events[div].field("groups") == "[2]");
+  // The restarted group rejoins from the majority: one set of weights.
+  auto ws = done_weights(j.r.output, 30);
+  CHECK(ws.size() == 3);
+  CHECK(std::set<std::string>(ws.begin(), ws.end()).size() == 1);
+}
+
+TEST_CASE("replica verification with two groups: no majority, the job stops with a clear error") {
+  auto j = launch("-n 2 --restart-delay-ms 100 --verify-every 1 --chaos flip@5:1", true, 20);
+  INFO(j.r.output);
+  CHECK(j.r.exit_code == 1);
+  CHECK(j.r.output.find("with no majority to trust") != std::string::npos);
+  CHECK(j.r.output.find("restart from checkpoint needed") != std::string::npos);
+  int div = find_event(j.events, 0, "replica_divergence", [](auto&) { return true; });
+  REQUIRE(div >= 0);
+  CHECK(j.events[div].field("no_majority") == "true");
+  CHECK(j.events[div].field("groups") == "[]");
+  CHECK(find_event(j.events, div, "failed", [](auto&) { return true; }) >= 0);
+  CHECK(find_event(j.events, div, "first_commit", [](auto&) { return true; }) < 0);
+  CHECK(weights_of(j.r.output).empty());
 }
 
 TEST_CASE("SIGSTOP past the heartbeat bound: treated as failed, fenced after SIGCONT") {
@@ -462,23 +566,6 @@ TEST_CASE("every group dead, or too many at once: a clear error, nothing committ
 
 namespace {
 
-/// `cmesh ARGS > out 2>&1`, exec'd so that the child's pid is cmesh's.
-child_process spawn_cmesh(const std::string& args, const std::string& out,
-                          const std::vector<std::pair<std::string, std::string>>& env = {}) {
-  auto c = child_process::spawn("/bin/sh",
-                                {"-c", "exec " + bin_dir() + "/cmesh " + args + " >" + out + " 2>&1"},
-                                env);
-  REQUIRE(c.pid() > 0);
-  return c;
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 /// Waits (at most 60 s) until the file at `path` holds `text`.
 void wait_for_text(const std::string& path, const std::string& text) {
   auto t0 = std::chrono::steady_clock::now();
@@ -487,13 +574,6 @@ void wait_for_text(const std::string& path, const std::string& text) {
     std::this_thread::sleep_for(20ms);
 }
 
-uint16_t free_port() {
-  coordinator probe(coordinator_options{});
-  REQUIRE_FALSE(probe.start());
-  auto port = probe.port();
-  probe.stop();
-  return port;
-}
 
 } // namespace
 

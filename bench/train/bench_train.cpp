@@ -16,7 +16,11 @@
 // its "done" report (`cmesh: rank R stats ...`, and with CMESH_GEMM_SHAPES
 // set one `cmesh: rank R gemm shape=...` line per product shape).
 //
-//   cmesh_bench_train [--steps N] [--warmup N] [--quick]
+//  4. bf16 activations against fp32 ones (--activations-only alone).
+//  5. Replica verification: the step time with --verify-every off, at its
+//     default and at every step (--verify-only alone).
+//
+//   cmesh_bench_train [--steps N] [--warmup N] [--quick] [--activations-only] [--verify-only]
 #include "actors/trainer.hpp"
 #include "common/launch.hpp"
 #include "core/env.hpp"
@@ -252,11 +256,81 @@ void activations_table(bool quick, int blas_threads) {
              "OpenBLAS here has no bf16 GEMM, so the rounding and packing cost time.\n\n");
 }
 
+// 5. Replica verification (train.verify_every): the step time at 2x1 with
+// the check off, at its default and at every step, runs interleaved round
+// by round so that a change of load hits each alike; beside it the hash's
+// own cost on one shard of the state, timed in this process, which the
+// step-time difference (below the noise of a shared machine) cannot show.
+bool verify_table(int steps, int warmup, bool quick) {
+  const auto defaults = cmesh::model::parse_config("");
+  const size_t every_default = defaults ? defaults->train.verify_every : 0;
+  const int rounds = quick ? 2 : 3;
+  struct variant {
+    std::string name;
+    size_t every;
+    std::vector<double> step_ms; // one mean per round
+  };
+  std::vector<variant> vs = {{"off (0)", 0, {}},
+                             {fmt::format("default ({})", every_default), every_default, {}},
+                             {"every step (1)", 1, {}}};
+  bool ran = true;
+  for (int round = 0; round < rounds; ++round)
+    for (auto& v : vs) {
+      auto r = launch(fmt::format("-n 2 --steps {} --log-every 1 --verify-every {}", steps,
+                                  v.every));
+      auto t = summarise(r.steps, warmup);
+      if (r.status != 0 || t.steps == 0) {
+        ran = false;
+        continue;
+      }
+      v.step_ms.push_back(t.step_ms);
+    }
+  auto median = [](std::vector<double> x) {
+    if (x.empty())
+      return static_cast<double>(NAN);
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  // The hash of one rank's state at 2x1: the whole model's parameters and
+  // both moments (a group of one rank holds every shard).
+  const size_t params = defaults ? cmesh::model::moe_lm_parameter_count(defaults->model) : 0;
+  std::vector<float> p(params, 0.5f), m(params, 0.25f), v(params, 0.125f), sc(2, 1.0f);
+  double best_us = 1e30;
+  uint64_t sink = 0;
+  for (int rep = 0; rep < 20; ++rep) {
+    const auto t0 = cmesh::mono_ns();
+    sink ^= cmesh::actors::hash_state(p, m, v, sc);
+    best_us = std::min(best_us, static_cast<double>(cmesh::mono_ns() - t0) / 1e3);
+  }
+  const double off = median(vs[0].step_ms);
+  fmt::print("## replica verification: step time at 2x1 by --verify-every ({} steps, mean over "
+             "steps {}..{}, median of {} interleaved rounds)\n\n"
+             "| --verify-every | step ms | against off | hash cost per step (estimated) |\n"
+             "|---|---|---|---|\n",
+             steps, warmup + 1, steps, rounds);
+  for (auto& x : vs) {
+    const double ms = median(x.step_ms);
+    const double est = x.every == 0 ? 0.0 : best_us / 1e3 / static_cast<double>(x.every);
+    fmt::print("| {} | {:.2f} | {:+.2f}% | {:.4f} ms = {:.3f}% of the step |\n", x.name, ms,
+               100.0 * (ms / off - 1.0), est, 100.0 * est / off);
+  }
+  fmt::print("\nOne verification hashes {:.2f} MB (the fp32 weights and both AdamW moments of\n"
+             "{} parameters) in {:.0f} us here ({:.1f} GB/s, XXH3; best of 20, checksum {:x}),\n"
+             "and adds one int64 per member to the commit vote. Goal: the default costs under\n"
+             "0.5% of the step: {} (estimated from the hash's cost; the measured column\n"
+             "swings by more than that between rounds of the same setting on a shared machine).\n\n",
+             12.0 * static_cast<double>(params) / 1e6, params, best_us,
+             12.0 * static_cast<double>(params) / (best_us * 1e3), sink & 0xff,
+             verdict(every_default > 0 && 100.0 * best_us / 1e3 / static_cast<double>(every_default)
+                                             / off < 0.5));
+  return ran;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   int steps = 60, warmup = 10;
-  bool quick = false, activations_only = false;
+  bool quick = false, activations_only = false, verify_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--steps" && i + 1 < argc)
@@ -267,9 +341,11 @@ int main(int argc, char** argv) {
       quick = true;
     else if (a == "--activations-only")
       activations_only = true;
+    else if (a == "--verify-only")
+      verify_only = true;
     else {
       fmt::print(stderr, "usage: cmesh_bench_train [--steps N] [--warmup N] [--quick] "
-                         "[--activations-only]\n");
+                         "[--activations-only] [--verify-only]\n");
       return 2;
     }
   }
@@ -284,6 +360,8 @@ int main(int argc, char** argv) {
     activations_table(quick, blas_threads);
     return 0;
   }
+  if (verify_only)
+    return verify_table(steps, warmup, quick) ? 0 : 1;
   const auto defaults = cmesh::model::parse_config("");
   if (!defaults) {
     fmt::print(stderr, "cmesh_bench_train: default config: {}\n", cmesh::describe(defaults.error()));
@@ -570,5 +648,6 @@ int main(int argc, char** argv) {
              replay_window, static_cast<double>(largest_unit) / 1e6);
 
   activations_table(quick, blas_threads);
+  all_ran = verify_table(steps, warmup, quick) && all_ran;
   return all_ran ? 0 : 1;
 }

@@ -5,7 +5,7 @@
 # the tables. Under a minute on an idle 2-core machine.
 #
 #   cmake --build build --target cmesh_bench_train   # once (builds cmesh too)
-#   bench/train/run.sh [--steps N] [--warmup N] [--quick] [--activations-only]
+#   bench/train/run.sh [--steps N] [--warmup N] [--quick] [--activations-only] [--verify-only]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"

@@ -736,6 +736,15 @@ void agent::abort_epoch(const caf::error& why) {
   impl_->abort_epoch(why);
 }
 
+void agent::report_divergence(const wire::replica_divergence& d) {
+  auto m = d;
+  m.incarnation = impl_->o.incarnation;
+  if (auto c = client())
+    if (auto e = c->send_divergence(m))
+      spdlog::warn("agent: the divergence report did not reach the coordinator: {}",
+                   describe(e));
+}
+
 uint64_t agent::newest_epoch() const {
   std::lock_guard lk(impl_->mu);
   return impl_->newest ? impl_->newest->epoch : 0;

@@ -104,6 +104,7 @@ public:
   void committed(uint64_t k, std::span<const float> update) override;
   void computing(bool on) override;
   void abort_epoch(const caf::error& why) override;
+  void report_divergence(const wire::replica_divergence& d) override;
   expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) override;
   bool has_device_collectives() const override;
   expected<coll::communicator*> device_communicator(size_t slot, coll::membership part) override;

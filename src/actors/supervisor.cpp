@@ -85,6 +85,8 @@ struct supervisor::impl {
   /// was announced, or went again to say so).
   bool aborts_previous = false;
   int64_t all_silent_since_ms = 0; // every connected member silent at once, since
+  uint64_t divergence_step_seen = UINT64_MAX; // the last divergence report acted on
+  uint64_t divergence_epoch_seen = 0;
   std::thread thread;
 
   impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
@@ -112,6 +114,8 @@ struct supervisor::impl {
   }
 
   void on_event(const worker_event& ev);
+  void on_divergence(uint32_t rank, const wire::replica_divergence& d, int64_t now);
+  void fail_job(const std::string& reason);
   void run();
   void decide(int64_t now);
   bool adopt(int64_t now);
@@ -277,9 +281,69 @@ void supervisor::impl::on_event(const worker_event& ev) {
       break;
     case worker_event::type::report:
       return;
+    case worker_event::type::divergence:
+      on_divergence(ev.rank, ev.divergence, now);
+      break;
   }
   dirty = true;
   cv.notify_all();
+}
+
+/// A member found that the replica groups' states differ: the minority's
+/// ranks are taken out at once, as if dead (their peers retry the step
+/// without them; they are fenced when the next epoch leaves them out, and
+/// restart to catch up from the majority); with no majority the job ends.
+void supervisor::impl::on_divergence(uint32_t rank, const wire::replica_divergence& d,
+                                     int64_t now) {
+  if (failed || (d.epoch == divergence_epoch_seen && d.step == divergence_step_seen))
+    return;
+  divergence_epoch_seen = d.epoch;
+  divergence_step_seen = d.step;
+  ++stats.divergences;
+  std::vector<uint32_t> ranks;
+  for (auto g : d.minority)
+    for (uint32_t p = 0; p < S(); ++p)
+      ranks.push_back(g * S() + p);
+  log->emit("replica_divergence", {{"epoch", d.epoch},
+                                   {"step", d.step},
+                                   {"reporter", uint64_t{rank}},
+                                   {"groups", d.minority},
+                                   {"ranks", ranks},
+                                   {"no_majority", d.no_majority},
+                                   {"shards", d.positions},
+                                   {"tensors", d.tensors},
+                                   {"reason", d.reason}});
+  say(fmt::format("replica divergence at step {} in epoch {}: {}; differing: {}", d.step, d.epoch,
+                  d.reason, d.tensors));
+  if (d.no_majority) {
+    fail_job(fmt::format("replica divergence at step {} with no majority to trust ({}); "
+                         "restart from checkpoint needed",
+                         d.step, d.reason));
+    return;
+  }
+  for (auto r : ranks) {
+    auto it = workers.find(r);
+    if (it != workers.end() && is_member(r, it->second.incarnation))
+      lost(r, it->second,
+           fmt::format("diverged: its replica group's state differs from the majority's at "
+                       "step {}",
+                       d.step),
+           now);
+  }
+}
+
+/// Ends the job: every worker is told no epoch can form.
+void supervisor::impl::fail_job(const std::string& reason) {
+  if (failed)
+    return;
+  failed = reason;
+  log->emit("failed", {{"epoch", current.id}, {"reason", reason}});
+  say("no epoch can form: " + reason);
+  wire::epoch_notice n;
+  n.epoch = current.id;
+  n.fail = true;
+  n.reason = reason;
+  coord.send_control(std::nullopt, n);
 }
 
 /// A restarted coordinator learns the running epoch from the workers'
@@ -474,16 +538,7 @@ void supervisor::impl::decide(int64_t now) {
         log->emit("waiting", {{"epoch", current.id}, {"reason", d.reason}});
       break;
     case recovery::decision_kind::fail:
-      if (!failed) {
-        failed = d.reason;
-        log->emit("failed", {{"epoch", current.id}, {"reason", d.reason}});
-        say("no epoch can form: " + d.reason);
-        wire::epoch_notice n;
-        n.epoch = current.id;
-        n.fail = true;
-        n.reason = d.reason;
-        coord.send_control(std::nullopt, n);
-      }
+      fail_job(d.reason);
       break;
     case recovery::decision_kind::new_epoch: {
       set_current(d.epoch);
@@ -597,11 +652,13 @@ std::pair<int64_t, int64_t> median_and_max(std::vector<int64_t> v) {
 
 std::string supervisor::recovery_summary::describe() const {
   const uint64_t failures = failure_to_commit_ms.size();
-  if (ranks_lost == 0 && reforms == 0 && rejoin_ms.empty() && failures == 0)
+  if (ranks_lost == 0 && reforms == 0 && rejoin_ms.empty() && failures == 0 && divergences == 0)
     return {};
   std::string out = fmt::format("{} rank(s) lost, {} epoch(s) re-formed with every process "
                                 "alive, {} epochs",
                                 ranks_lost, reforms, epochs);
+  if (divergences > 0)
+    out += fmt::format("; {} replica divergence(s)", divergences);
   if (failures > 0) {
     auto [p50, max] = median_and_max(failure_to_commit_ms);
     out += fmt::format("; failure found to the next commit p50 {} ms, max {} ms ({})", p50, max,
@@ -641,6 +698,7 @@ void supervisor::stop() {
                      {{"epochs", st.epochs},
                       {"ranks_lost", st.ranks_lost},
                       {"reforms", st.reforms},
+                      {"divergences", st.divergences},
                       {"catchups", st.catchups},
                       {"failures_resolved", uint64_t{st.failure_to_commit_ms.size()}},
                       {"failure_to_commit_p50_ms", commit_p50},

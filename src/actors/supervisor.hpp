@@ -22,8 +22,12 @@
 // session, and both are sent a catchup_assign. A joiner whose session
 // failed reports `fresh` with that session again and gets a new one.
 //
-// Every failure, epoch change, catch-up start and end, and the first commit
-// of each epoch goes to the event log (events.hpp).
+// Replica verification: a member's replica_divergence report takes the
+// minority groups' ranks out as lost (they are fenced by the next epoch and
+// catch up from the majority), or, with no majority, fails the job.
+//
+// Every failure, epoch change, catch-up start and end, divergence, and the
+// first commit of each epoch goes to the event log (events.hpp).
 #pragma once
 
 #include "actors/events.hpp"
@@ -95,6 +99,7 @@ public:
     uint64_t ranks_lost = 0; // members found dead (connection closed, or silent)
     uint64_t reforms = 0;    // epochs re-formed with every process alive (a failed step)
     uint64_t catchups = 0;   // catch-up sessions assigned
+    uint64_t divergences = 0; // replica divergences reported (verification)
     /// From each failure (a member lost, a step failed) that no commit
     /// followed yet to the survivors' next committed step.
     std::vector<int64_t> failure_to_commit_ms;

@@ -9,6 +9,7 @@
 #include "kernels/optim.hpp"
 #include "kernels/precision.hpp"
 #include "recovery/placement.hpp"
+#include "recovery/verify.hpp"
 
 #include <xxhash.h>
 
@@ -17,10 +18,13 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cmath>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -32,6 +36,21 @@ namespace {
 
 std::atomic<bool> hang_requested{false};
 std::atomic<int> faults_requested{0};
+std::atomic<int> flips_requested{0};
+
+/// A hash as a slot of the commit vote, an all_reduce with max over int64:
+/// every other rank's slot holds INT64_MIN, so the max is the owner's
+/// value (a hash equal to INT64_MIN's bits is moved by one).
+int64_t vote_slot(uint64_t h) {
+  int64_t v;
+  std::memcpy(&v, &h, sizeof v);
+  return v == INT64_MIN ? INT64_MIN + 1 : v;
+}
+uint64_t slot_hash(int64_t v) {
+  uint64_t h;
+  std::memcpy(&h, &v, sizeof h);
+  return h;
+}
 
 /// A chaos hang: the computation never ends (until the process is killed).
 void maybe_hang() {
@@ -91,6 +110,10 @@ void request_hang() {
 
 void request_fault() {
   faults_requested.fetch_add(1, std::memory_order_relaxed);
+}
+
+void request_flip() {
+  flips_requested.fetch_add(1, std::memory_order_relaxed);
 }
 
 struct trainer::impl {
@@ -167,6 +190,13 @@ struct trainer::impl {
   caf::error device_epoch();
   caf::error reconcile(train_state& st);
   expected<double> global_norm(std::span<const float> shard);
+  // Replica verification.
+  void maybe_flip(std::span<float> master, uint64_t step, const model::model& net);
+  caf::error check_replicas(coll::communicator& comm, std::span<const int64_t> hashes,
+                            std::span<const float> master, const model::model& net,
+                            uint64_t step);
+  std::vector<uint64_t> segment_hashes(std::span<const float> master,
+                                       const model::model& net) const;
 };
 
 trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
@@ -375,6 +405,140 @@ expected<double> trainer::impl::global_norm(std::span<const float> shard) {
   return std::sqrt(sum);
 }
 
+uint64_t hash_state(std::span<const float> params, std::span<const float> adam_m,
+                    std::span<const float> adam_v, std::span<const float> scalars) {
+  XXH3_state_t* h = XXH3_createState();
+  CMESH_CHECK(h != nullptr);
+  XXH3_64bits_reset(h);
+  for (auto part : {params, adam_m, adam_v, scalars})
+    XXH3_64bits_update(h, part.data(), part.size() * sizeof(float));
+  const uint64_t out = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return out;
+}
+
+/// Chaos flip: one bit of the master shard (the lowest of the middle
+/// element's mantissa: the subtlest corruption there is).
+void trainer::impl::maybe_flip(std::span<float> master, uint64_t step, const model::model& net) {
+  if (flips_requested.load(std::memory_order_relaxed) <= 0 || master.empty())
+    return;
+  flips_requested.fetch_sub(1, std::memory_order_relaxed);
+  const size_t i = master.size() / 2;
+  uint32_t bits;
+  std::memcpy(&bits, &master[i], sizeof bits);
+  bits ^= 1u;
+  std::memcpy(&master[i], &bits, sizeof bits);
+  const size_t at = shards.offsets[position] + i;
+  std::string tensor = "?";
+  for (const auto& t : net.tensors())
+    if (at >= t.offset && at < t.offset + t.size)
+      tensor = t.name;
+  spdlog::warn("trainer: chaos flip: bit 0 of weight {} ({}) flipped at step {}", at, tensor,
+               step);
+}
+
+/// Per tensor of the model, the hashes of this rank's part of it: weights,
+/// AdamW m, AdamW v; then the loss scale. The same number on every rank
+/// (a tensor outside this shard hashes nothing).
+std::vector<uint64_t> trainer::impl::segment_hashes(std::span<const float> master,
+                                                    const model::model& net) const {
+  const size_t lo = shards.offsets[position], hi = lo + shards.counts[position];
+  std::vector<uint64_t> out;
+  for (const auto& t : net.tensors()) {
+    const size_t a = std::max(lo, t.offset), b = std::min(hi, t.offset + t.size);
+    const size_t n = b > a ? b - a : 0, at = n ? a - lo : 0;
+    out.push_back(XXH3_64bits(master.data() + at, n * sizeof(float)));
+    out.push_back(XXH3_64bits(adam_m.data() + at, n * sizeof(float)));
+    out.push_back(XXH3_64bits(adam_v.data() + at, n * sizeof(float)));
+  }
+  out.push_back(XXH3_64bits(scalars.data(), scalars.size() * sizeof(float)));
+  return out;
+}
+
+/// The hashes of the commit vote (one slot per member, in member order)
+/// compared over the replica groups. On a divergence every member learns
+/// the same verdict; they exchange per-tensor hashes to name what differs,
+/// one member reports it, and the step fails on every rank.
+caf::error trainer::impl::check_replicas(coll::communicator& comm,
+                                         std::span<const int64_t> slots,
+                                         std::span<const float> master, const model::model& net,
+                                         uint64_t step) {
+  const size_t S = per_group(), N = comm.size();
+  const auto& ranks = comm.members().ranks;
+  std::vector<uint32_t> groups;
+  std::map<uint32_t, size_t> index_of; // group -> its index in `groups`
+  for (auto r : ranks)
+    if (index_of.emplace(static_cast<uint32_t>(r / S), groups.size()).second)
+      groups.push_back(static_cast<uint32_t>(r / S));
+  std::vector<uint64_t> table(groups.size() * S, 0);
+  for (size_t i = 0; i < N; ++i)
+    table[index_of[static_cast<uint32_t>(ranks[i] / S)] * S + ranks[i] % S] = slot_hash(slots[i]);
+  const auto v = recovery::compare_replicas(groups, S, table);
+  if (v.agree)
+    return {};
+  // Name the tensors: every member's per-segment hashes.
+  const auto mine = segment_hashes(master, net);
+  const size_t K = mine.size();
+  std::vector<int64_t> all(N * K, INT64_MIN);
+  for (size_t k = 0; k < K; ++k)
+    all[comm.index() * K + k] = vote_slot(mine[k]);
+  if (auto e = comm.all_reduce(all.data(), all.size(), coll::dtype::int64, coll::reduce_op::max))
+    return e;
+  std::vector<std::string> names;
+  for (const auto& t : net.tensors())
+    for (const char* what : {" (weights)", " (adam m)", " (adam v)"})
+      names.push_back(t.name + what);
+  names.push_back("loss scale");
+  auto row = [&](size_t i) {
+    std::vector<uint64_t> r(K);
+    for (size_t k = 0; k < K; ++k)
+      r[k] = slot_hash(all[i * K + k]);
+    return r;
+  };
+  std::vector<std::string> parts;
+  for (auto p : v.positions) {
+    // The reference at position p: a member of the majority, or (no
+    // majority) the first group's.
+    std::vector<size_t> at_p;
+    for (size_t i = 0; i < N; ++i)
+      if (ranks[i] % S == p)
+        at_p.push_back(i);
+    size_t ref = at_p.front();
+    for (auto i : at_p)
+      if (!std::binary_search(v.minority.begin(), v.minority.end(),
+                              static_cast<uint32_t>(ranks[i] / S))) {
+        ref = i;
+        break;
+      }
+    for (auto i : at_p)
+      if (i != ref && slot_hash(slots[i]) != slot_hash(slots[ref]))
+        parts.push_back(fmt::format("rank {} (group {}): {}", ranks[i], ranks[i] / S,
+                                    recovery::differing_segments(names, row(i), row(ref))));
+  }
+  wire::replica_divergence d;
+  d.epoch = comm.members().epoch;
+  d.step = step;
+  d.minority = v.minority;
+  d.no_majority = v.no_majority;
+  d.positions = v.positions;
+  d.tensors = fmt::format("{}", fmt::join(parts, "; "));
+  d.reason = v.reason;
+  // One member tells the coordinator: the first outside the minority.
+  size_t reporter = 0;
+  while (reporter < N && std::binary_search(v.minority.begin(), v.minority.end(),
+                                            static_cast<uint32_t>(ranks[reporter] / S)))
+    ++reporter;
+  if (sup && comm.index() == reporter)
+    sup->report_divergence(d);
+  const bool here = std::binary_search(v.minority.begin(), v.minority.end(),
+                                       static_cast<uint32_t>(ranks[comm.index()] / S));
+  spdlog::error("trainer: replica divergence at step {}{}: {}; differing: {}", step,
+                here ? " (this rank's group is the minority)" : "", v.reason, d.tensors);
+  return make_error(v.no_majority ? errc::unrecoverable : errc::aborted,
+                    fmt::format("replica divergence at step {}: {}{}", step, v.reason,
+                                v.no_majority ? "; no majority to trust" : ""));
+}
+
 expected<train_result> trainer::run() {
   auto& I = *impl_;
   const auto& tc = I.o.config.train;
@@ -482,6 +646,7 @@ expected<train_result> trainer::run() {
       switch_to = 0;
       continue;
     }
+    I.maybe_flip(master, st.step, net);
     if (I.sup)
       I.sup->at_boundary(st);
     const uint64_t step = st.step;
@@ -731,13 +896,23 @@ expected<train_result> trainer::run() {
     // The commit vote: a no from anyone (or a failed vote) means no commit.
     // The second entry is the newest epoch anyone has heard of.
     // The third is whether any rank's gradient overflowed.
-    int64_t vote[3] = {latched ? 1 : 0,
-                       I.sup ? static_cast<int64_t>(I.sup->newest_epoch()) : 0,
-                       overflow ? 1 : 0};
+    // Verification steps add a slot per member: the hash of its state.
+    const bool verify = tc.verify_every > 0 && step % tc.verify_every == 0;
+    std::vector<int64_t> vote(3 + (verify ? world : 0), INT64_MIN);
+    vote[0] = latched ? 1 : 0;
+    vote[1] = I.sup ? static_cast<int64_t>(I.sup->newest_epoch()) : 0;
+    vote[2] = overflow ? 1 : 0;
+    if (verify)
+      vote[3 + comm.index()] = vote_slot(hash_state(master, I.adam_m, I.adam_v, I.scalars));
     caf::error vote_error;
     I.collective(vote_error, [&] {
-      return comm.all_reduce(vote, 3, coll::dtype::int64, coll::reduce_op::max);
+      return comm.all_reduce(vote.data(), vote.size(), coll::dtype::int64, coll::reduce_op::max);
     });
+    if (verify && !latched && !vote_error && vote[0] == 0)
+      I.collective(latched, [&] {
+        return I.check_replicas(comm, std::span<const int64_t>(vote).subspan(3), master, net,
+                                step);
+      });
     if (latched || vote_error || vote[0] != 0) {
       auto why = latched ? latched
                  : vote_error ? vote_error

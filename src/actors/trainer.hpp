@@ -37,6 +37,13 @@
 // The committed updates kept for replay, the catch-up snapshot and its
 // stream are this rank's shard only: a restarted rank at position p
 // catches up from a member at position p. S = 1 is pure data parallelism.
+// Replica verification (train.verify_every = N, 0: off): at step 0 and
+// every N-th step each rank hashes its shard of the state (fp32 master,
+// AdamW moments, loss scale) and the hashes ride on the commit vote. Where
+// the groups holding a shard disagree (recovery::compare_replicas) the
+// step is not committed: per-tensor hashes name what differs, one member
+// reports it to the coordinator, which fences the minority (it restarts
+// and catches up from the majority) or, with no majority, ends the job.
 // Precision bf16: the master weights and AdamW state stay fp32; the working
 // weights are the master rounded to bf16 (gathered over the group as bf16),
 // the loss is multiplied by a dynamic loss scale, gradients travel and are
@@ -67,6 +74,7 @@
 #include "model/config.hpp"
 #include "model/data.hpp"
 #include "model/model.hpp"
+#include "transport/messages.hpp"
 
 #include <functional>
 #include <memory>
@@ -187,11 +195,27 @@ public:
   /// Aborts the current epoch's communicators on this rank (its peers are
   /// told by the coordinator): what a transport error does to them.
   virtual void abort_epoch(const caf::error& why) = 0;
+
+  /// The replica groups' states differ (replica verification): tells the
+  /// coordinator, which fences the minority or ends the job. Called by one
+  /// member of the epoch; the trainer then waits for the next epoch.
+  virtual void report_divergence(const wire::replica_divergence& d) { (void)d; }
 };
 
 /// Chaos support: makes the trainer's next computation hang for good (a
 /// stuck kernel), so the step watchdog can be tested. Async-signal-safe.
 void request_hang();
+
+/// The hash replica verification compares: a rank's state at a step (its
+/// shard of the fp32 master and both AdamW moments, then the loss scale's
+/// scalars). XXH3, 64 bits: a check against faults, not adversaries.
+uint64_t hash_state(std::span<const float> params, std::span<const float> adam_m,
+                    std::span<const float> adam_v, std::span<const float> scalars);
+
+/// Chaos support: flips one bit of this rank's weights (its fp32 master
+/// shard) at the next step boundary, as silent data corruption would, so
+/// replica verification can be tested. Async-signal-safe.
+void request_flip();
 
 /// Chaos support: makes the collectives of the trainer's next step attempt
 /// fail on this rank, as on a transport error, while every process lives

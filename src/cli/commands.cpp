@@ -173,10 +173,28 @@ job_outcome await_training(coordinator& coord, actors::supervisor& sup,
   return out;
 }
 
-/// The target step of a training job (for the supervisor).
-uint64_t target_step(const job_options& job) {
-  auto cfg = resolve_config(job.train, job.world_size);
-  return cfg ? cfg->train.steps : 0;
+/// What `cmesh coordinator` checks registrations against: the job's
+/// configuration when it was given one (--config or a job flag), else only
+/// its own version and layout, and the first training worker that
+/// registers sets the rest. Says which on stdout.
+caf::error check_configs(coordinator_options& co, const job_options& job,
+                         const model::run_config& cfg) {
+  const auto R = replica_groups(job.train, job.world_size);
+  const auto S = ranks_per_group(job.train, job.world_size);
+  if (!has_job_flags(job.train)) {
+    co.config_pinned = model::canonical_layout(R, S);
+    fmt::print("cmesh: no --config or job flags: the first training worker to register sets the "
+               "job's configuration ({} replica group(s) of {} rank(s))\n",
+               R, S);
+    return {};
+  }
+  auto list = job_config_of(cfg, job.train, job.world_size);
+  if (!list)
+    return list.error();
+  co.job_config = std::move(*list);
+  fmt::print("cmesh: the job's configuration (digest {:016x}): workers that differ are refused\n",
+             config_digest(co.job_config));
+  return {};
 }
 
 } // namespace
@@ -191,13 +209,25 @@ int run_version() {
 }
 
 int run_coordinator(const std::string& bind, uint16_t port, const job_options& job) {
-  coordinator coord({bind, port, job.world_size});
+  coordinator_options co{bind, port, job.world_size};
+  uint64_t target = 0;
+  if (job.job == "train") {
+    // The coordinator computes nothing: --device cuda needs no GPU here.
+    auto cfg = resolve_config(job.train, job.world_size, /*check_device=*/false);
+    auto e = cfg ? check_configs(co, job, *cfg) : cfg.error();
+    if (e) {
+      fail_line(describe(e));
+      return 2;
+    }
+    target = cfg->train.steps;
+  }
+  coordinator coord(co);
   // The supervisor hears every registration: it is hooked in before the
   // coordinator listens (workers that outlived a coordinator reconnect at
   // once).
   std::unique_ptr<actors::supervisor> sup;
   if (job.job == "train") {
-    auto s = make_supervisor(coord, job, target_step(job));
+    auto s = make_supervisor(coord, job, target);
     if (!s) {
       fail_line(describe(s.error()));
       return 2;
@@ -245,6 +275,8 @@ std::vector<std::string> worker_args(const job_options& job) {
     a.insert(a.end(), {"--log-every", std::to_string(*t.log_every)});
   if (t.exact)
     a.push_back("--exact");
+  if (t.verify_every)
+    a.insert(a.end(), {"--verify-every", std::to_string(*t.verify_every)});
   if (t.replicas != 0)
     a.insert(a.end(), {"--replicas", std::to_string(t.replicas)});
   if (!t.device.empty())
@@ -266,6 +298,7 @@ std::string exit_text(int status) {
 
 int run_worker(const job_options& job) {
   std::optional<model::run_config> config; // the train job's, resolved once
+  config_list job_config;                  // ... and what it registers with
   if (job.job == "train") {
     // Bad flags or config fail before anything is started.
     std::string err;
@@ -275,24 +308,31 @@ int run_worker(const job_options& job) {
       return 2;
     }
     auto cfg = resolve_config(job.train, static_cast<size_t>(place.world_size));
-    if (!cfg) {
-      fail_line(describe(cfg.error()));
+    auto list = cfg ? job_config_of(*cfg, job.train, static_cast<size_t>(place.world_size))
+                    : expected<config_list>(cfg.error());
+    if (!list) {
+      fail_line(describe(list.error()));
       return 2;
     }
     config = std::move(*cfg);
+    job_config = std::move(*list);
   }
   if (job.job == "train") {
     // Chaos support: SIGUSR1 hangs the trainer's next step (hang@STEP:RANK),
-    // SIGUSR2 fails its next step's collectives (fault@STEP:RANK).
+    // SIGUSR2 fails its next step's collectives (fault@STEP:RANK),
     struct sigaction sa {};
     sa.sa_handler = [](int) { actors::request_hang(); };
     sigemptyset(&sa.sa_mask);
     sigaction(SIGUSR1, &sa, nullptr);
     sa.sa_handler = [](int) { actors::request_fault(); };
     sigaction(SIGUSR2, &sa, nullptr);
+    // SIGRTMIN flips a bit of its weights (flip@STEP:RANK).
+    sa.sa_handler = [](int) { actors::request_flip(); };
+    sigaction(SIGRTMIN, &sa, nullptr);
   }
   join_options jo;
   jo.connect_transport = job.job != "train";
+  jo.config = std::move(job_config); // the coordinator refuses one that is not the job's
   auto j = join_mesh(jo);
   if (!j) {
     fail_line(describe(j.error()));
@@ -336,6 +376,7 @@ int run_worker(const job_options& job) {
 int run_launch(const job_options& job) {
   std::vector<chaos::action> plan;
   uint64_t target = 0;
+  coordinator_options co{"127.0.0.1", 0, job.world_size};
   // Ranks sharing a GPU: NCCL refuses two ranks of a communicator on one
   // device of one host unless each process is a host of its own
   // (NCCL_HOSTID); they then talk over NCCL's socket transport.
@@ -347,6 +388,12 @@ int run_launch(const job_options& job) {
       return 2;
     }
     target = cfg->train.steps;
+    auto list = job_config_of(*cfg, job.train, job.world_size);
+    if (!list) {
+      fail_line(describe(list.error()));
+      return 2;
+    }
+    co.job_config = std::move(*list);
     if (cfg->train.device == "cuda" && !env_string("NCCL_HOSTID")) {
       const auto gpus = kernels::query_accelerators().devices.size();
       own_nccl_hosts = gpus < job.world_size;
@@ -380,7 +427,7 @@ int run_launch(const job_options& job) {
                        [](auto& a, auto& b) { return a.at_step < b.at_step; });
     }
   }
-  coordinator coord({"127.0.0.1", 0, job.world_size});
+  coordinator coord(co);
   std::unique_ptr<actors::supervisor> sup;
   if (job.job == "train") {
     auto sp = make_supervisor(coord, job, target);
@@ -443,7 +490,7 @@ int run_launch(const job_options& job) {
     auto signal_rank = [&](uint32_t r, int sig, const char* name, uint64_t step) {
       if (!workers[r].running())
         return;
-      if (sig != SIGUSR2) // a fault breaks a step, not the process
+      if (sig != SIGUSR2 && sig != SIGRTMIN) // a fault or a flip: the process lives on
         signalled_down[r] = sig != SIGCONT;
       fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
                  workers[r].pid(), step, secs_since_start());
@@ -492,6 +539,8 @@ int run_launch(const job_options& job) {
               std::this_thread::sleep_for(std::chrono::milliseconds(20));
             signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
           }
+        } else if (a.kind == chaos::action_kind::flip) {
+          signal_rank(a.rank, SIGRTMIN, "SIGRTMIN (flip)", v.max_member_step);
         } else if (a.survivable && others_live(a.rank) == 0) {
           // A survivable kill, stop or hang of the last live group.
           fmt::print("cmesh: chaos: skipped {} of rank {} at step {}: its group is the last "
@@ -541,6 +590,12 @@ int run_launch(const job_options& job) {
               sup->note("worker_exit", {{"rank", uint64_t{r}},
                                         {"pid", int64_t{workers[r].pid()}},
                                         {"status", exit_text(*st)}});
+              // A usage error (bad flags or environment, a registration the
+              // coordinator refused) comes back on every restart.
+              if (exit_code_of(*st) == 2)
+                return fmt::format("worker {} ended with a usage error (exit 2; see its "
+                                   "error line): a restart would fail the same way",
+                                   r);
               if (restarts[r] < job.supervise.max_restarts) {
                 restart_at[r] = now + std::chrono::milliseconds(job.supervise.restart_delay_ms);
                 fmt::print("cmesh: worker {} restarts in {} ms\n", r,

@@ -43,6 +43,11 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
     cmd->add_flag("--exact", job.train.exact,
                   "exact mode: fixed-point gradient sums, bit-identical across layouts");
+    cmd->add_option("--verify-every", job.train.verify_every,
+                    "compare the replica groups' weights and optimizer state (hashes in the "
+                    "commit vote) at step 0 and every N steps; a group that differs is fenced "
+                    "(0: off; default: the config's, 50)")
+      ->check(CLI::NonNegativeNumber);
     cmd->add_option("--replicas", job.train.replicas, "replica groups (default: one per rank)")
       ->check(CLI::PositiveNumber);
     cmd->add_option("--device", job.train.device,

@@ -22,7 +22,8 @@
 
 namespace cmesh::cli {
 
-expected<model::run_config> resolve_config(const train_flags& f, size_t world_size) {
+expected<model::run_config> resolve_config(const train_flags& f, size_t world_size,
+                                           bool check_device) {
   auto cfg = f.config_file.empty() ? model::parse_config("") : model::load_config(f.config_file);
   if (!cfg)
     return cfg.error();
@@ -32,11 +33,13 @@ expected<model::run_config> resolve_config(const train_flags& f, size_t world_si
     cfg->train.steps = *f.steps;
   if (f.log_every)
     cfg->train.log_every = *f.log_every;
+  if (f.verify_every)
+    cfg->train.verify_every = *f.verify_every;
   if (f.exact)
     cfg->train.exact = true;
   if (!f.device.empty())
     cfg->train.device = f.device;
-  if (cfg->train.device == "cuda") {
+  if (check_device && cfg->train.device == "cuda") {
     // Said at once, not after the mesh has formed.
     const auto acc = kernels::query_accelerators();
     if (!acc.cuda_compiled || acc.devices.empty())
@@ -54,6 +57,11 @@ expected<model::run_config> resolve_config(const train_flags& f, size_t world_si
   if (auto e = model::validate(*cfg, replicas, per_group))
     return e;
   return cfg;
+}
+
+expected<config_list> job_config_of(const model::run_config& c, const train_flags& f,
+                                    size_t world_size) {
+  return model::canonical_config(c, replica_groups(f, world_size), ranks_per_group(f, world_size));
 }
 
 namespace {

@@ -19,10 +19,26 @@ struct train_flags {
   bool exact = false;                // forces [train] exact = true
   size_t replicas = 0;               // 0: one group per rank
   std::string device;                // overrides [train] device ("cpu" or "cuda")
+  std::optional<size_t> verify_every; // overrides [train] verify_every
 };
 
 /// Reads the config and applies the flags. Errors: invalid_argument.
-expected<model::run_config> resolve_config(const train_flags& f, size_t world_size);
+/// `check_device`: --device cuda needs a GPU here (a coordinator, which
+/// computes nothing, passes false).
+expected<model::run_config> resolve_config(const train_flags& f, size_t world_size,
+                                           bool check_device = true);
+
+/// Whether the flags say anything about the job's configuration: --config,
+/// or a flag that changes what it computes (--log-every does not).
+inline bool has_job_flags(const train_flags& f) {
+  return !f.config_file.empty() || !f.data_file.empty() || f.steps || f.exact || f.replicas != 0
+         || !f.device.empty() || f.verify_every;
+}
+
+/// The job's canonical configuration (model::canonical_config) of a
+/// resolved config on `world_size` ranks. Error: invalid_argument.
+expected<config_list> job_config_of(const model::run_config& c, const train_flags& f,
+                                    size_t world_size);
 
 /// The replica groups R of a run: --replicas, or one per rank.
 inline size_t replica_groups(const train_flags& f, size_t world_size) {

@@ -1,11 +1,15 @@
 #include "model/config.hpp"
 
+#include <fmt/format.h>
 #include <toml++/toml.h>
+#include <xxhash.h>
 
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <sstream>
+#include <vector>
 
 namespace cmesh::model {
 
@@ -34,6 +38,8 @@ std::string read_double(const toml::node& n, double& out, double lo, double hi) 
   return {};
 }
 
+// A key added here changes what a run computes: add it to
+// canonical_config too (config.test.cpp checks that every key is there).
 std::map<std::string, std::map<std::string, setter>> schema() {
   std::map<std::string, std::map<std::string, setter>> s;
   auto size_key = [](auto field, size_t min_value) -> setter {
@@ -93,6 +99,7 @@ std::map<std::string, std::map<std::string, setter>> schema() {
   t["seq_len"] = size_key([](run_config& c) -> size_t& { return c.train.seq_len; }, 1);
   t["warmup"] = size_key([](run_config& c) -> size_t& { return c.train.warmup; }, 0);
   t["log_every"] = size_key([](run_config& c) -> size_t& { return c.train.log_every; }, 1);
+  t["verify_every"] = size_key([](run_config& c) -> size_t& { return c.train.verify_every; }, 0);
   t["lr"] = double_key([](run_config& c) -> double& { return c.train.lr; }, 0, 10);
   t["weight_decay"] = double_key([](run_config& c) -> double& { return c.train.weight_decay; }, 0, 10);
   t["beta1"] = double_key([](run_config& c) -> double& { return c.train.beta1; }, 0, 0.999999);
@@ -135,6 +142,30 @@ caf::error bad(const std::string& what) {
   return make_error(errc::invalid_argument, "config: " + what);
 }
 
+/// What the data is, whatever its path: "synthetic", or the xxh64 and size
+/// of the file's bytes, read once in 1 MiB pieces.
+expected<std::string> data_identity(const data_config& d) {
+  if (d.file.empty())
+    return std::string("synthetic");
+  std::ifstream in(d.file, std::ios::binary);
+  if (!in)
+    return make_error(errc::invalid_argument, "data: cannot read " + d.file);
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> h(XXH64_createState(),
+                                                               &XXH64_freeState);
+  XXH64_reset(h.get(), 0);
+  std::vector<char> buf(size_t{1} << 20);
+  uint64_t size = 0;
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const auto n = static_cast<size_t>(in.gcount());
+    XXH64_update(h.get(), buf.data(), n);
+    size += n;
+  }
+  if (in.bad())
+    return make_error(errc::invalid_argument, "data: error reading " + d.file);
+  return fmt::format("xxh64 {:016x}, {} bytes", XXH64_digest(h.get()), size);
+}
+
 } // namespace
 
 expected<run_config> parse_config(const std::string& text) {
@@ -170,6 +201,14 @@ expected<run_config> parse_config(const std::string& text) {
   if (auto e = validate(c, 1, 1))
     return e;
   return c;
+}
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> out;
+  for (auto& [section, keys] : schema())
+    for (auto& [key, set] : keys)
+      out.push_back(section + "." + key);
+  return out;
 }
 
 expected<run_config> load_config(const std::string& path) {
@@ -213,6 +252,63 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
                "whole gradient into fixed point; full sharding hands gradients back tensor by "
                "tensor)");
   return {};
+}
+
+config_list canonical_layout(size_t replicas, size_t ranks_per_group) {
+  return {{"cmesh.version", CMESH_VERSION},
+          {"layout.replicas", std::to_string(replicas)},
+          {"layout.ranks_per_group", std::to_string(ranks_per_group)}};
+}
+
+expected<config_list> canonical_config(const run_config& c, size_t replicas,
+                                       size_t ranks_per_group) {
+  auto data = data_identity(c.data);
+  if (!data)
+    return data.error();
+  auto out = canonical_layout(replicas, ranks_per_group);
+  // fmt's "{}" writes a double in the shortest form that reads back to the
+  // same value: one text per value, on every node.
+  auto add = [&](const char* key, const auto& value) {
+    out.emplace_back(key, fmt::format("{}", value));
+  };
+  const auto& m = c.model;
+  add("model.d_model", m.d_model);
+  add("model.context", m.context);
+  add("model.layers", m.layers);
+  add("model.ffn", m.ffn);
+  add("model.experts", m.experts);
+  add("model.top_k", m.top_k);
+  add("model.expert_ffn", m.expert_ffn);
+  add("model.capacity_factor", m.capacity_factor);
+  add("model.aux_loss_weight", m.aux_loss_weight);
+  add("model.init_seed", m.init_seed);
+  add("model.activations", m.activations);
+  add("model.products", m.products);
+  const auto& t = c.train;
+  add("train.steps", t.steps);
+  add("train.global_batch", t.global_batch);
+  add("train.micro_batch", t.micro_batch);
+  add("train.seq_len", t.seq_len);
+  add("train.lr", t.lr);
+  add("train.weight_decay", t.weight_decay);
+  add("train.beta1", t.beta1);
+  add("train.beta2", t.beta2);
+  add("train.eps", t.eps);
+  add("train.warmup", t.warmup);
+  add("train.grad_clip", t.grad_clip);
+  add("train.seed", t.seed);
+  add("train.verify_every", t.verify_every); // the commit vote's content
+  add("train.exact", t.exact);
+  add("train.precision", t.precision);
+  add("train.loss_scale", t.loss_scale);
+  add("train.sharding", t.sharding);
+  add("train.overlap", t.overlap);
+  add("train.expert_placement", t.expert_placement);
+  add("train.expert_replicas", t.expert_replicas);
+  add("train.device", t.device);
+  add("train.gradient_collectives", t.gradient_collectives);
+  add("data.identity", *data);
+  return out;
 }
 
 } // namespace cmesh::model

@@ -4,9 +4,11 @@
 #pragma once
 
 #include "core/error.hpp"
+#include "core/job_config.hpp"
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace cmesh::model {
 
@@ -55,6 +57,10 @@ struct train_config {
   double grad_clip = 1.0;    // 0 turns clipping off
   uint64_t seed = 1;         // data order
   size_t log_every = 10;
+  // Every this many committed steps (and at step 0) the replica groups
+  // compare hashes of their weights and optimizer state in the commit
+  // vote; a group that differs from the majority is fenced (0: off).
+  size_t verify_every = 50;
   bool exact = false;        // fixed-point gradient sums: bit-identical whatever the layout
   std::string precision = "fp32"; // "fp32" or "bf16"
   double loss_scale = 65536; // bf16: the dynamic loss scale's starting value
@@ -105,7 +111,25 @@ expected<run_config> parse_config(const std::string& toml_text);
 /// Reads and parses a file. Errors: invalid_argument (also for a missing file).
 expected<run_config> load_config(const std::string& path);
 
+/// Every key a config file may set, as "section.key", sorted.
+std::vector<std::string> config_keys();
+
 /// Checks a config against a layout of `replicas` groups of `ranks_per_group`.
 caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group);
+
+/// The part of a job's canonical configuration that needs no run config:
+/// cmesh.version, layout.replicas and layout.ranks_per_group (what a
+/// coordinator given no --config or job flags still knows).
+config_list canonical_layout(size_t replicas, size_t ranks_per_group);
+
+/// The canonical description of a run: every key that defines its result,
+/// in a fixed order, values as text (doubles in the shortest form that
+/// reads back exactly). canonical_layout, then every model.* key, every
+/// train.* key but log_every (cosmetic), and data.identity: "synthetic", or
+/// the xxh64 and size of the data file's bytes (not its path, which may
+/// differ between nodes; the file is read once, here). Error:
+/// invalid_argument when the data file cannot be read.
+expected<config_list> canonical_config(const run_config& c, size_t replicas,
+                                       size_t ranks_per_group);
 
 } // namespace cmesh::model

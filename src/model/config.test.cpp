@@ -3,7 +3,11 @@
 
 #include <doctest/doctest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <set>
+
+#include <unistd.h>
 
 using namespace cmesh;
 using namespace cmesh::model;
@@ -172,4 +176,122 @@ TEST_CASE("a data file shorter than a sample is refused") {
   auto c = corpus::load({"/nonexistent/file.txt"}, 16);
   REQUIRE_FALSE(c);
   CHECK(describe(c.error()).find("cannot read") != std::string::npos);
+}
+
+namespace {
+
+/// The value of `key` in a canonical configuration ("" when absent).
+std::string value_of(const config_list& c, const std::string& key) {
+  for (auto& [k, v] : c)
+    if (k == key)
+      return v;
+  return {};
+}
+
+} // namespace
+
+TEST_CASE("the canonical configuration holds every key that defines a run, in a fixed order") {
+  auto c = parse_config("");
+  REQUIRE(c);
+  auto list = canonical_config(*c, 2, 1);
+  REQUIRE(list);
+  std::set<std::string> keys;
+  for (auto& [k, v] : *list)
+    CHECK_MESSAGE(keys.insert(k).second, k << " twice");
+  // Every key of a config file but the cosmetic log_every and the path of
+  // the data, which may differ between nodes (its identity is there).
+  for (auto& k : config_keys())
+    if (k != "train.log_every" && k != "data.file")
+      CHECK_MESSAGE(keys.count(k) == 1, k << " is not in the canonical configuration");
+  CHECK(keys.count("train.log_every") == 0);
+  CHECK(keys.count("data.file") == 0);
+  for (auto k : {"cmesh.version", "layout.replicas", "layout.ranks_per_group", "data.identity"})
+    CHECK_MESSAGE(keys.count(k) == 1, k);
+  CHECK(keys.size() == config_keys().size() - 2 + 4);
+  CHECK(value_of(*list, "layout.replicas") == "2");
+  CHECK(value_of(*list, "layout.ranks_per_group") == "1");
+  CHECK(value_of(*list, "data.identity") == "synthetic");
+  CHECK(value_of(*list, "model.experts") == "4");
+  CHECK(value_of(*list, "train.exact") == "false");
+  CHECK(value_of(*list, "model.activations") == "fp32");
+  CHECK_FALSE(value_of(*list, "cmesh.version").empty());
+  // The same config gives the same text; log_every changes nothing.
+  auto again = *c;
+  again.train.log_every = 1;
+  auto list2 = canonical_config(again, 2, 1);
+  REQUIRE(list2);
+  CHECK(*list2 == *list);
+  CHECK(config_digest(*list2) == config_digest(*list));
+  CHECK(config_text(*list).find("train.lr = 0.003\n") != std::string::npos);
+}
+
+TEST_CASE("doubles in the canonical configuration read back exactly") {
+  run_config c;
+  for (double v : {0.003, 0.1 + 0.2, 1e-8, 3e-3 * (1 + 1e-15), 65536.0, 1.0 / 3.0}) {
+    CAPTURE(v);
+    c.train.lr = v;
+    auto list = canonical_config(c, 1, 1);
+    REQUIRE(list);
+    CHECK(std::stod(value_of(*list, "train.lr")) == v);
+  }
+  c.train.lr = 0.003;
+  CHECK(value_of(*canonical_config(c, 1, 1), "train.lr") == "0.003");
+  c.train.lr = 0.1 + 0.2; // not 0.3: the text tells them apart
+  CHECK(value_of(*canonical_config(c, 1, 1), "train.lr") == "0.30000000000000004");
+}
+
+TEST_CASE("the data's identity is its bytes, not its path") {
+  auto a = "/tmp/cmesh_config_data_a_" + std::to_string(::getpid());
+  auto b = "/tmp/cmesh_config_data_b_" + std::to_string(::getpid());
+  std::ofstream(a) << "the same bytes";
+  std::ofstream(b) << "the same bytes";
+  run_config c;
+  c.data.file = a;
+  auto la = canonical_config(c, 1, 1);
+  c.data.file = b;
+  auto lb = canonical_config(c, 1, 1);
+  REQUIRE(la);
+  REQUIRE(lb);
+  CHECK(*la == *lb);
+  CHECK(value_of(*la, "data.identity").find("14 bytes") != std::string::npos);
+  std::ofstream(b) << "other bytes!!!"; // same size, other content
+  auto lc = canonical_config(c, 1, 1);
+  REQUIRE(lc);
+  CHECK(value_of(*lc, "data.identity") != value_of(*la, "data.identity"));
+  CHECK(value_of(*lc, "data.identity").find("14 bytes") != std::string::npos);
+  std::remove(a.c_str());
+  std::remove(b.c_str());
+  c.data.file = "/nonexistent/data.txt";
+  auto missing = canonical_config(c, 1, 1);
+  REQUIRE_FALSE(missing);
+  CHECK(code_of(missing.error()) == errc::invalid_argument);
+  CHECK(describe(missing.error()).find("/nonexistent/data.txt") != std::string::npos);
+}
+
+TEST_CASE("differences name each key with the worker's value and the job's") {
+  auto job = canonical_config(*parse_config(""), 2, 1);
+  REQUIRE(job);
+  CHECK(config_differences(*job, *job).empty());
+
+  auto lr = canonical_config(*parse_config("[train]\nlr = 0.01\n"), 2, 1);
+  REQUIRE(lr);
+  CHECK(config_digest(*lr) != config_digest(*job));
+  CHECK(config_differences(*job, *lr) == std::vector<std::string>{"train.lr = 0.01 (the job's: 0.003)"});
+
+  auto two = canonical_config(*parse_config("[model]\nexperts = 8\n[train]\nexact = true\n"), 1, 2);
+  REQUIRE(two);
+  CHECK(config_differences(*job, *two)
+        == std::vector<std::string>{"layout.replicas = 1 (the job's: 2)",
+                                    "layout.ranks_per_group = 2 (the job's: 1)",
+                                    "model.experts = 8 (the job's: 4)",
+                                    "train.exact = true (the job's: false)"});
+
+  // Keys missing on either side (another version's list).
+  config_list a{{"x", "1"}, {"y", "2"}};
+  config_list b{{"y", "2"}, {"z", "3"}};
+  CHECK(config_differences(a, b)
+        == std::vector<std::string>{"x missing (the job's: 1)", "z = 3 (the job has no such key)"});
+  CHECK(config_differences({}, {}).empty());
+  // The order is part of the text the digest covers.
+  CHECK(config_digest({{"x", "1"}, {"y", "2"}}) != config_digest({{"y", "2"}, {"x", "1"}}));
 }

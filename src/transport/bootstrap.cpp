@@ -15,6 +15,7 @@
 #include "transport/wire.hpp"
 
 #include <boost/asio.hpp>
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -192,7 +193,9 @@ struct coordinator::impl {
     conn_ptr conn; // null while the rank is disconnected
   };
 
-  explicit impl(coordinator_options o) : opts(std::move(o)) {}
+  explicit impl(coordinator_options o)
+    : opts(std::move(o)), job_config(opts.job_config),
+      job_digest(job_config.empty() ? 0 : config_digest(job_config)) {}
 
   coordinator_options opts;
   // Declared first so it is destroyed last: sockets must go before it.
@@ -210,6 +213,8 @@ struct coordinator::impl {
   bool table_sent = false;
   std::optional<wire::shutdown> shutdown_sent; // I/O thread: the job is over
   uint64_t epoch = 0;
+  config_list job_config; // the job's (opts.job_config, or the first worker's)
+  uint64_t job_digest = 0;
 
   // Shared with callers' threads.
   mutable std::mutex mu;
@@ -240,6 +245,8 @@ struct coordinator::impl {
 
   void on_register(const conn_ptr& c, const wire::register_worker& m);
   std::string registration_problem(const conn_ptr& c, const wire::register_worker& m) const;
+  std::string config_problem(const wire::register_worker& m) const;
+  void adopt_config(const wire::register_worker& m);
   size_t live_ranks() const;
   void publish_table();
   void on_report(const conn_ptr& c, const wire::report& r);
@@ -457,6 +464,19 @@ caf::error coordinator::impl::dispatch(const conn_ptr& c, const wire::frame_view
       emit(ev);
       return {};
     }
+    case wire::replica_divergence::kind: {
+      auto m = wire::decode_body<wire::replica_divergence>(v.body);
+      if (!m)
+        return m.error();
+      if (!c->rank) {
+        spdlog::warn("coordinator: dropped a divergence report from unregistered {}", c->peer);
+        return {};
+      }
+      worker_event ev{worker_event::type::divergence, *c->rank, {}, {}, m->incarnation};
+      ev.divergence = std::move(*m);
+      emit(ev);
+      return {};
+    }
     default: {
       const char* name = wire::kind_name(v.header.kind);
       return make_error(errc::unknown_kind, std::string(name ? name : "unknown kind")
@@ -482,6 +502,8 @@ void coordinator::impl::on_register(const conn_ptr& c, const wire::register_work
       live = live_ranks();
     }
   }
+  if (problem.empty() && job_config.empty() && !m.config.empty())
+    adopt_config(m);
   if (!problem.empty()) {
     spdlog::warn("coordinator: rejected registration from {}: {}", c->peer, problem);
     return send(c, wire::rejected{problem});
@@ -504,6 +526,8 @@ std::string coordinator::impl::registration_problem(const conn_ptr& c,
   if (m.world_size != opts.world_size)
     return "world size " + std::to_string(m.world_size) + " differs from the coordinator's "
            + std::to_string(opts.world_size);
+  if (auto why = config_problem(m); !why.empty())
+    return why;
   auto it = ranks.find(m.rank);
   if (it == ranks.end())
     return {};
@@ -515,6 +539,49 @@ std::string coordinator::impl::registration_problem(const conn_ptr& c,
     return "rank " + std::to_string(m.rank) + " incarnation " + std::to_string(m.incarnation)
            + " is older than the registered " + std::to_string(it->second.entry.incarnation);
   return {};
+}
+
+/// Why a worker's configuration is not the job's, or empty: one line that
+/// names every key that differs, with the worker's value and the job's.
+std::string coordinator::impl::config_problem(const wire::register_worker& m) const {
+  if (m.config.empty())
+    return {}; // a job without a training configuration: nothing to compare
+  std::vector<std::string> diffs;
+  std::string what = "configuration mismatch with the job";
+  if (job_config.empty()) {
+    // This worker's configuration would become the job's: only what the
+    // coordinator fixed itself (its version, the layout it supervises)
+    // must agree.
+    config_list pinned_keys;
+    for (const auto& e : m.config)
+      for (const auto& p : opts.config_pinned)
+        if (e.first == p.first)
+          pinned_keys.push_back(e);
+    diffs = config_differences(opts.config_pinned, pinned_keys);
+    what = "configuration mismatch with the coordinator (give it the workers' --config and "
+           "job flags)";
+  } else if (m.config_digest != job_digest) {
+    diffs = config_differences(job_config, m.config);
+    if (diffs.empty()) // the same pairs: the digest itself is wrong
+      diffs.push_back(fmt::format("digest {:016x} (the job's: {:016x})", m.config_digest,
+                                  job_digest));
+  }
+  if (diffs.empty())
+    return {};
+  std::string out = what + ": ";
+  for (size_t i = 0; i < diffs.size(); ++i)
+    out += (i ? "; " : "") + diffs[i];
+  return out;
+}
+
+/// The first training worker's configuration becomes the job's (the
+/// coordinator was given none). I/O thread.
+void coordinator::impl::adopt_config(const wire::register_worker& m) {
+  job_config = m.config;
+  job_digest = config_digest(job_config);
+  spdlog::info("coordinator: the job's configuration (digest {:016x}) is rank {}'s (host {}, "
+               "pid {}): the coordinator was given none; workers that differ are refused",
+               job_digest, m.rank, m.host, m.pid);
 }
 
 /// Ranks with a live connection. Called with `mu` held.
@@ -1366,6 +1433,12 @@ caf::error coordinator_client::rejoin(const wire::register_worker& me) {
     return moved_from();
   impl_->rank = me.rank;
   return impl_->send(make_packet(header(me.rank, wire::no_process), me));
+}
+
+caf::error coordinator_client::send_divergence(const wire::replica_divergence& d) {
+  if (!impl_)
+    return moved_from();
+  return impl_->send(make_packet(header(impl_->rank, wire::no_process), d));
 }
 
 caf::error coordinator_client::report(const wire::report& r) {

@@ -32,6 +32,7 @@
 #pragma once
 
 #include "core/error.hpp"
+#include "core/job_config.hpp"
 #include "transport/messages.hpp"
 
 #include <chrono>
@@ -63,6 +64,15 @@ struct coordinator_options {
   size_t kv_keys_max = size_t{1} << 20;        // keys in the KV store
   size_t kv_value_bytes_max = size_t{1} << 20; // bytes of one value
   size_t kv_waits_max = 1024;                  // kv_gets waiting, per connection
+  /// The job's configuration (model::canonical_config). A registration
+  /// that carries one with another digest is refused with `rejected`,
+  /// naming every key that differs with both values. Empty: the first
+  /// accepted registration that carries one sets it (and the coordinator
+  /// logs whose it is), provided it agrees with `config_pinned`: the keys
+  /// the coordinator fixes itself (its version and layout). A registration
+  /// without a configuration (a job without training) is not checked.
+  config_list job_config = {};
+  config_list config_pinned = {};
 };
 
 /// The longest a kv_get waits on the coordinator (wait_ms is clamped to it);
@@ -71,11 +81,12 @@ constexpr int64_t kv_wait_ms_max = 600000;
 
 /// What the coordinator saw of one worker.
 struct worker_event {
-  enum class type { registered, report, disconnected, status } what;
+  enum class type { registered, report, disconnected, status, divergence } what;
   uint32_t rank = 0;
   wire::report report;        // for type::report
   wire::worker_status status; // for type::status
   uint64_t incarnation = 0;   // the registered incarnation (registered, disconnected)
+  wire::replica_divergence divergence = {}; // for type::divergence
 };
 
 /// A supervision message from the coordinator to a worker.
@@ -169,6 +180,9 @@ public:
 
   /// Sends this worker's status beacon (fire and forget).
   caf::error send_status(const wire::worker_status& s);
+
+  /// Reports that the replica groups' states differ (fire and forget).
+  caf::error send_divergence(const wire::replica_divergence& d);
 
   /// Handles the coordinator's supervision messages, on the client's I/O
   /// thread (must not block). Messages that came before a handler was set

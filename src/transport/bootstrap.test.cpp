@@ -669,3 +669,86 @@ TEST_CASE("kv calls on a moved-from client are closed") {
   REQUIRE(!b.kv_put("k", bytes_of("v")));
   CHECK(b.kv_get("k", guard) == bytes_of("v"));
 }
+
+namespace {
+
+wire::register_worker with_config(wire::register_worker w, config_list c) {
+  w.config_digest = config_digest(c);
+  w.config = std::move(c);
+  return w;
+}
+
+} // namespace
+
+TEST_CASE("a worker whose configuration differs from the job's is refused, naming each key") {
+  coordinator_options opts;
+  opts.world_size = 2;
+  opts.job_config = {{"model.experts", "4"}, {"train.lr", "0.003"}, {"train.steps", "4"}};
+  auto coord = start_coordinator(opts);
+  auto first = std::async(std::launch::async, [&] {
+    auto client = connect_to(*coord);
+    auto t = client.register_and_wait(with_config(worker(0, 2), opts.job_config), guard);
+    return std::make_pair(std::move(client), std::move(t));
+  });
+  REQUIRE(eventually([&] { return coord->registered() == std::vector<uint32_t>{0}; }));
+
+  auto bad = connect_to(*coord).register_and_wait(
+    with_config(worker(1, 2), {{"model.experts", "8"}, {"train.lr", "0.01"}, {"train.steps", "4"}}),
+    guard);
+  REQUIRE(!bad);
+  CHECK(code_of(bad.error()) == errc::invalid_argument);
+  CHECK(describe(bad.error())
+        == "invalid_argument: the coordinator rejected rank 1: configuration mismatch with the "
+           "job: model.experts = 8 (the job's: 4); train.lr = 0.01 (the job's: 0.003)");
+  auto missing = connect_to(*coord).register_and_wait(
+    with_config(worker(1, 2), {{"model.experts", "4"}, {"train.lr", "0.003"}}), guard);
+  REQUIRE(!missing);
+  CHECK(describe(missing.error()).find("train.steps missing (the job's: 4)") != std::string::npos);
+  CHECK(coord->registered() == std::vector<uint32_t>{0}); // the refused left no trace
+
+  // A correct worker for the rank completes the table.
+  auto good = connect_to(*coord).register_and_wait(with_config(worker(1, 2), opts.job_config), guard);
+  REQUIRE(good);
+  CHECK(good->peers.size() == 2);
+  auto [client0, table0] = first.get();
+  REQUIRE(table0);
+}
+
+TEST_CASE("without the job's configuration the first worker that carries one sets it") {
+  coordinator_options opts;
+  opts.world_size = 3;
+  opts.config_pinned = {{"layout.replicas", "3"}};
+  auto coord = start_coordinator(opts);
+  std::vector<std::future<expected<wire::peer_table>>> tables;
+  std::vector<coordinator_client> clients;
+  auto register_async = [&](wire::register_worker w) {
+    clients.push_back(connect_to(*coord));
+    tables.push_back(std::async(std::launch::async, [&c = clients.back(), w] {
+      return c.register_and_wait(w, guard);
+    }));
+  };
+  clients.reserve(3);
+  // Without a configuration (a tool, the ring job): not checked, sets nothing.
+  register_async(worker(0, 3));
+  REQUIRE(eventually([&] { return coord->registered().size() == 1; }));
+  // Against what the coordinator fixed itself.
+  auto layout = connect_to(*coord).register_and_wait(
+    with_config(worker(1, 3), {{"layout.replicas", "1"}, {"train.lr", "0.01"}}), guard);
+  REQUIRE(!layout);
+  CHECK(describe(layout.error()).find("configuration mismatch with the coordinator") != std::string::npos);
+  CHECK(describe(layout.error()).find("layout.replicas = 1 (the job's: 3)") != std::string::npos);
+  CHECK(describe(layout.error()).find("train.lr") == std::string::npos);
+  // The first that carries one sets the job's ...
+  register_async(with_config(worker(1, 3), {{"layout.replicas", "3"}, {"train.lr", "0.01"}}));
+  REQUIRE(eventually([&] { return coord->registered().size() == 2; }));
+  // ... and the next is held to it.
+  auto other = connect_to(*coord).register_and_wait(
+    with_config(worker(2, 3), {{"layout.replicas", "3"}, {"train.lr", "0.003"}}), guard);
+  REQUIRE(!other);
+  CHECK(describe(other.error()).find("configuration mismatch with the job: train.lr = 0.003 "
+                                     "(the job's: 0.01)")
+        != std::string::npos);
+  register_async(with_config(worker(2, 3), {{"layout.replicas", "3"}, {"train.lr", "0.01"}}));
+  for (auto& t : tables)
+    CHECK(t.get());
+}

@@ -68,6 +68,10 @@ expected<joined_mesh> join_mesh(join_options opts) {
   me.pid = getpid();
   me.host = host_name();
   me.ucx_address = (*net)->address();
+  if (!opts.config.empty()) {
+    me.config_digest = config_digest(opts.config);
+    me.config = std::move(opts.config);
+  }
   auto table = client->register_and_wait(me, std::chrono::milliseconds(opts.register_timeout_ms));
   if (!table)
     return table.error();

@@ -6,6 +6,7 @@
 
 #include "core/env.hpp"
 #include "core/error.hpp"
+#include "core/job_config.hpp"
 #include "transport/bootstrap.hpp"
 #include "transport/transport.hpp"
 
@@ -27,6 +28,11 @@ struct join_options {
   /// does not: its data plane is the collectives' own per-epoch endpoints,
   /// and a restarted rank must not dial the dead addresses of the table.
   bool connect_transport = true;
+  /// The job configuration this worker runs (model::canonical_config),
+  /// sent with its registration (and every registration again after a
+  /// coordinator restart): the coordinator refuses a worker whose
+  /// configuration differs from the job's. Empty: not checked.
+  config_list config;
 };
 
 struct joined_mesh {

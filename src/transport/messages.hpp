@@ -32,7 +32,13 @@ struct register_worker {
   int64_t pid = 0;
   std::string host;
   bytes ucx_address;
-  MSGPACK_DEFINE(rank, world_size, incarnation, pid, host, ucx_address)
+  // The job configuration this worker runs (model::canonical_config) and
+  // its digest (config_digest); the coordinator refuses one that differs
+  // from the job's. Empty: a job without a training configuration (the
+  // ring smoke job, test nodes, tools), not checked.
+  uint64_t config_digest = 0;
+  std::vector<std::pair<std::string, std::string>> config;
+  MSGPACK_DEFINE(rank, world_size, incarnation, pid, host, ucx_address, config_digest, config)
   bool operator==(const register_worker&) const = default;
 };
 
@@ -199,6 +205,25 @@ struct catchup_assign {
   bool operator==(const catchup_assign&) const = default;
 };
 
+/// A worker's report that the replica groups' states differ (the hashes
+/// compared in the commit vote of `step`, see recovery/verify.hpp). The
+/// coordinator fences `minority` (their ranks are lost at once) or, with
+/// `no_majority`, ends the job: nothing is left to trust.
+struct replica_divergence {
+  static constexpr kind_t kind = 13;
+  static constexpr const char* name = "replica_divergence";
+  uint64_t incarnation = 0; // the reporter's
+  uint64_t epoch = 0;
+  uint64_t step = 0;
+  std::vector<uint32_t> minority; // replica groups
+  bool no_majority = false;
+  std::vector<uint32_t> positions; // shards that differ
+  std::string tensors;             // the tensors that differ, in words
+  std::string reason;
+  MSGPACK_DEFINE(incarnation, epoch, step, minority, no_majority, positions, tensors, reason)
+  bool operator==(const replica_divergence&) const = default;
+};
+
 // -- transport (process <-> process over UCX) ----------------------------------
 
 /// Liveness beacon on the control endpoint.
@@ -267,13 +292,14 @@ struct type_list {};
 
 using bootstrap_messages = type_list<register_worker, peer_table, report, shutdown, rejected,
                                      kv_put, kv_get, kv_value, kv_drop, worker_status,
-                                     epoch_notice, catchup_assign>;
+                                     epoch_notice, catchup_assign, replica_divergence>;
 using transport_messages = type_list<heartbeat>;
 /// Kinds that may be sent between actors (what a remote proxy forwards).
 using actor_messages = type_list<token, sequenced, blob, ack>;
 using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected, kv_put,
                                kv_get, kv_value, kv_drop, worker_status, epoch_notice,
-                               catchup_assign, heartbeat, token, sequenced, blob, ack>;
+                               catchup_assign, replica_divergence, heartbeat, token, sequenced,
+                               blob, ack>;
 
 template <class T>
 constexpr bool has_bulk_v = requires { T::has_bulk; };

@@ -29,6 +29,9 @@ worker_status sample(type_list<worker_status>) {
 }
 epoch_notice sample(type_list<epoch_notice>) { return {8, {0, 2, 3}, {11, 12, 13}, false, "g1 lost", {1}, true}; }
 catchup_assign sample(type_list<catchup_assign>) { return {3, 1, 99, 2}; }
+replica_divergence sample(type_list<replica_divergence>) {
+  return {77, 5, 120, {2}, false, {0, 1}, "layer0.w1, out", "shard 0: group 2 differs"};
+}
 heartbeat sample(type_list<heartbeat>) { return {42, -7}; }
 token sample(type_list<token>) { return {1, 2, 3, 99}; }
 sequenced sample(type_list<sequenced>) { return {5, 100000, 17}; }
@@ -79,7 +82,7 @@ TEST_CASE("every message kind survives a round trip") {
     CHECK(*out == in);
     CHECK(std::string(kind_name(T::kind)) == T::name);
   });
-  CHECK(kinds == 17);
+  CHECK(kinds == 18);
 }
 
 TEST_CASE("kinds are unique") {
