@@ -63,7 +63,7 @@ struct step_line {
 };
 
 struct rank_stats {
-  double gemm_gflops = 0, gemm_ms = 0, step_ms_total = 0, max_rss_mb = 0;
+  double gemm_gflops = 0, gemm_ms = 0, step_ms_total = 0, max_rss_mb = 0, verify_ms = 0;
   uint64_t gemm_calls = 0;
 };
 
@@ -108,7 +108,8 @@ run_out launch(const std::string& args) {
   std::regex step_re("^step +([0-9]+) +loss +[-0-9.a-z]+ +aux +[-0-9.a-z]+ +tokens/s +([0-9.]+) +"
                      "step +([0-9.]+) ms +comm +([0-9.]+) ms");
   std::regex stats_re("cmesh: rank ([0-9]+) stats gemm_gflops=([0-9.]+) gemm_ms=([0-9.]+) "
-                      "gemm_calls=([0-9]+) step_ms_total=([0-9.]+) max_rss_mb=([0-9.]+)");
+                      "gemm_calls=([0-9]+) step_ms_total=([0-9.]+) max_rss_mb=([0-9.]+) "
+                      "verify_ms=([0-9.]+)");
   std::regex shape_re("cmesh: rank ([0-9]+) gemm shape=([NT])([NT]) m=([0-9]+) n=([0-9]+) "
                       "k=([0-9]+) calls=([0-9]+) ms=([0-9.]+)");
   std::istringstream lines(r.output);
@@ -125,6 +126,7 @@ run_out launch(const std::string& args) {
       s.gemm_calls = std::stoull(m[4].str());
       s.step_ms_total = std::stod(m[5].str());
       s.max_rss_mb = std::stod(m[6].str());
+      s.verify_ms = std::stod(m[7].str());
     } else if (std::regex_search(line, m, shape_re)) {
       gemm_shape g;
       g.trans_a = m[2].str() == "T";
@@ -256,34 +258,41 @@ void activations_table(bool quick, int blas_threads) {
              "OpenBLAS here has no bf16 GEMM, so the rounding and packing cost time.\n\n");
 }
 
-// 5. Replica verification (train.verify_every): the step time at 2x1 with
-// the check off, at its default and at every step, runs interleaved round
-// by round so that a change of load hits each alike; beside it the hash's
-// own cost on one shard of the state, timed in this process, which the
-// step-time difference (below the noise of a shared machine) cannot show.
+// 5. Replica verification (train.verify_every): `cmesh launch` at 2x1 with
+// the check off, at its default and at every step, interleaved round by
+// round so that a change of load hits each alike. Each worker times its
+// own hashing and comparing (`verify_ms` in its stats line): that share of
+// its committed steps' time is the cost, measured in the run; the step
+// times beside it swing between rounds of one setting by more than that on
+// a shared machine. The hash alone on the same bytes, timed here, is the
+// floor.
 bool verify_table(int steps, int warmup, bool quick) {
   const auto defaults = cmesh::model::parse_config("");
   const size_t every_default = defaults ? defaults->train.verify_every : 0;
-  const int rounds = quick ? 2 : 3;
+  const int rounds = quick ? 2 : 5;
   struct variant {
     std::string name;
     size_t every;
-    std::vector<double> step_ms; // one mean per round
+    std::vector<double> step_ms, share; // one of each per round: mean step, worst rank's share
   };
-  std::vector<variant> vs = {{"off (0)", 0, {}},
-                             {fmt::format("default ({})", every_default), every_default, {}},
-                             {"every step (1)", 1, {}}};
+  std::vector<variant> vs = {{"off (0)", 0, {}, {}},
+                             {fmt::format("default ({})", every_default), every_default, {}, {}},
+                             {"every step (1)", 1, {}, {}}};
   bool ran = true;
   for (int round = 0; round < rounds; ++round)
     for (auto& v : vs) {
       auto r = launch(fmt::format("-n 2 --steps {} --log-every 1 --verify-every {}", steps,
                                   v.every));
       auto t = summarise(r.steps, warmup);
-      if (r.status != 0 || t.steps == 0) {
+      if (r.status != 0 || t.steps == 0 || r.stats.size() != 2) {
         ran = false;
         continue;
       }
       v.step_ms.push_back(t.step_ms);
+      double worst = 0;
+      for (auto& [rank, st] : r.stats)
+        worst = std::max(worst, st.verify_ms / st.step_ms_total);
+      v.share.push_back(worst);
     }
   auto median = [](std::vector<double> x) {
     if (x.empty())
@@ -291,8 +300,8 @@ bool verify_table(int steps, int warmup, bool quick) {
     std::sort(x.begin(), x.end());
     return x[x.size() / 2];
   };
-  // The hash of one rank's state at 2x1: the whole model's parameters and
-  // both moments (a group of one rank holds every shard).
+  // The hash alone on one rank's state at 2x1: the whole model's weights
+  // and both moments (a group of one rank holds every shard).
   const size_t params = defaults ? cmesh::model::moe_lm_parameter_count(defaults->model) : 0;
   std::vector<float> p(params, 0.5f), m(params, 0.25f), v(params, 0.125f), sc(2, 1.0f);
   double best_us = 1e30;
@@ -303,26 +312,27 @@ bool verify_table(int steps, int warmup, bool quick) {
     best_us = std::min(best_us, static_cast<double>(cmesh::mono_ns() - t0) / 1e3);
   }
   const double off = median(vs[0].step_ms);
-  fmt::print("## replica verification: step time at 2x1 by --verify-every ({} steps, mean over "
-             "steps {}..{}, median of {} interleaved rounds)\n\n"
-             "| --verify-every | step ms | against off | hash cost per step (estimated) |\n"
-             "|---|---|---|---|\n",
+  fmt::print("## replica verification at 2x1 by --verify-every ({} steps; step ms: mean over "
+             "steps {}..{}; medians of {} interleaved rounds)\n\n"
+             "| --verify-every | step ms | against off | verification's share of the step "
+             "(measured, worst rank) | hash alone per step (this process) |\n"
+             "|---|---|---|---|---|\n",
              steps, warmup + 1, steps, rounds);
   for (auto& x : vs) {
     const double ms = median(x.step_ms);
-    const double est = x.every == 0 ? 0.0 : best_us / 1e3 / static_cast<double>(x.every);
-    fmt::print("| {} | {:.2f} | {:+.2f}% | {:.4f} ms = {:.3f}% of the step |\n", x.name, ms,
-               100.0 * (ms / off - 1.0), est, 100.0 * est / off);
+    const double alone = x.every == 0 ? 0.0 : best_us / 1e3 / static_cast<double>(x.every);
+    fmt::print("| {} | {:.2f} | {:+.1f}% | {:.3f}% | {:.4f} ms ({:.3f}%) |\n", x.name, ms,
+               100.0 * (ms / off - 1.0), 100.0 * median(x.share), alone, 100.0 * alone / off);
   }
+  const double at_default = median(vs[1].share);
   fmt::print("\nOne verification hashes {:.2f} MB (the fp32 weights and both AdamW moments of\n"
-             "{} parameters) in {:.0f} us here ({:.1f} GB/s, XXH3; best of 20, checksum {:x}),\n"
-             "and adds one int64 per member to the commit vote. Goal: the default costs under\n"
-             "0.5% of the step: {} (estimated from the hash's cost; the measured column\n"
-             "swings by more than that between rounds of the same setting on a shared machine).\n\n",
+             "{} parameters; {:.0f} us alone here, {:.1f} GB/s, XXH3, best of 20, checksum\n"
+             "{:x}) and adds one int64 per member to the commit vote; the measured share also\n"
+             "holds the comparison. Goal: the default costs under 0.5% of the step: {}.\n"
+             "'against off' is the step time's change, noise included.\n\n",
              12.0 * static_cast<double>(params) / 1e6, params, best_us,
              12.0 * static_cast<double>(params) / (best_us * 1e3), sink & 0xff,
-             verdict(every_default > 0 && 100.0 * best_us / 1e3 / static_cast<double>(every_default)
-                                             / off < 0.5));
+             verdict(every_default > 0 && at_default < 0.005));
   return ran;
 }
 

@@ -902,17 +902,22 @@ expected<train_result> trainer::run() {
     vote[0] = latched ? 1 : 0;
     vote[1] = I.sup ? static_cast<int64_t>(I.sup->newest_epoch()) : 0;
     vote[2] = overflow ? 1 : 0;
+    const double verify_t0 = mono_s();
     if (verify)
       vote[3 + comm.index()] = vote_slot(hash_state(master, I.adam_m, I.adam_v, I.scalars));
+    result.verify_ms += (mono_s() - verify_t0) * 1e3;
     caf::error vote_error;
     I.collective(vote_error, [&] {
       return comm.all_reduce(vote.data(), vote.size(), coll::dtype::int64, coll::reduce_op::max);
     });
-    if (verify && !latched && !vote_error && vote[0] == 0)
+    if (verify && !latched && !vote_error && vote[0] == 0) {
+      const double t1 = mono_s();
       I.collective(latched, [&] {
         return I.check_replicas(comm, std::span<const int64_t>(vote).subspan(3), master, net,
                                 step);
       });
+      result.verify_ms += (mono_s() - t1) * 1e3;
+    }
     if (latched || vote_error || vote[0] != 0) {
       auto why = latched ? latched
                  : vote_error ? vote_error

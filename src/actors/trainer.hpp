@@ -103,6 +103,7 @@ struct train_result {
   double seconds = 0;
   double tokens_per_s = 0;
   uint64_t weights_xxh64 = 0;   // of the final fp32 weights, to compare runs
+  double verify_ms = 0;         // spent hashing and comparing replicas (this rank)
 };
 
 /// A rank's training state "at step s": the weights and AdamW moments after

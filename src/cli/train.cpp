@@ -81,15 +81,15 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
 // products' rate and time (kernels::cpu::gemm_counters), the committed
 // steps' summed time and the peak resident memory. With CMESH_GEMM_SHAPES
 // set, one line per distinct product shape follows (bench/train reads them).
-void print_stats(uint32_t rank, double step_ms_total) {
+void print_stats(uint32_t rank, double step_ms_total, double verify_ms) {
   const auto g = kernels::cpu::gemm_counters();
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru); // ru_maxrss in KiB
   fmt::print("cmesh: rank {} stats gemm_gflops={:.2f} gemm_ms={:.1f} gemm_calls={} "
-             "step_ms_total={:.1f} max_rss_mb={:.1f}\n",
+             "step_ms_total={:.1f} max_rss_mb={:.1f} verify_ms={:.3f}\n",
              rank, g.ns ? static_cast<double>(g.flops) / static_cast<double>(g.ns) : 0.0,
              static_cast<double>(g.ns) / 1e6, g.calls, step_ms_total,
-             static_cast<double>(ru.ru_maxrss) / 1024.0);
+             static_cast<double>(ru.ru_maxrss) / 1024.0, verify_ms);
   if (env_string("CMESH_GEMM_SHAPES"))
     for (const auto& s : kernels::cpu::gemm_shape_counters())
       fmt::print("cmesh: rank {} gemm shape={}{} m={} n={} k={} calls={} ms={:.3f}\n", rank,
@@ -222,7 +222,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                               result->steps, result->final_loss, result->tokens_per_s,
                               result->seconds, result->weights_xxh64),
                   mono_ns()});
-  print_stats(rank, *step_ms_total);
+  print_stats(rank, *step_ms_total, result->verify_ms);
   // Beacons go on until the job ends, so the coordinator never mistakes a
   // finished rank for a dead one while the others finish. A coordinator
   // that is away is waited for (the agent reconnects to its restart).
