@@ -197,6 +197,9 @@ struct trainer::impl {
                             uint64_t step);
   std::vector<uint64_t> segment_hashes(std::span<const float> master,
                                        const model::model& net) const;
+  caf::error commit_vote(coll::communicator& comm, uint64_t step, caf::error& latched,
+                         bool overflow, std::span<const float> master, const model::model& net,
+                         std::vector<int64_t>& vote, double& verify_ms);
 };
 
 trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
@@ -537,6 +540,38 @@ caf::error trainer::impl::check_replicas(coll::communicator& comm,
   return make_error(v.no_majority ? errc::unrecoverable : errc::aborted,
                     fmt::format("replica divergence at step {}: {}{}", step, v.reason,
                                 v.no_majority ? "; no majority to trust" : ""));
+}
+
+/// The commit vote, an all_reduce (max) over every member: [a no (a
+/// latched error), the newest epoch heard of, a gradient that overflowed];
+/// verification steps add a slot per member, the hash of its state, and
+/// compare them (a divergence latches). Returns the vote's own error.
+caf::error trainer::impl::commit_vote(coll::communicator& comm, uint64_t step,
+                                      caf::error& latched, bool overflow,
+                                      std::span<const float> master, const model::model& net,
+                                      std::vector<int64_t>& vote, double& verify_ms) {
+  const auto& tc = o.config.train;
+  const bool verify = tc.verify_every > 0 && step % tc.verify_every == 0;
+  vote.assign(3 + (verify ? comm.size() : 0), INT64_MIN);
+  vote[0] = latched ? 1 : 0;
+  vote[1] = sup ? static_cast<int64_t>(sup->newest_epoch()) : 0;
+  vote[2] = overflow ? 1 : 0;
+  const double t0 = mono_s();
+  if (verify)
+    vote[3 + comm.index()] = vote_slot(hash_state(master, adam_m, adam_v, scalars));
+  verify_ms += (mono_s() - t0) * 1e3;
+  caf::error vote_error;
+  collective(vote_error, [&] {
+    return comm.all_reduce(vote.data(), vote.size(), coll::dtype::int64, coll::reduce_op::max);
+  });
+  if (verify && !latched && !vote_error && vote[0] == 0) {
+    const double t1 = mono_s();
+    collective(latched, [&] {
+      return check_replicas(comm, std::span<const int64_t>(vote).subspan(3), master, net, step);
+    });
+    verify_ms += (mono_s() - t1) * 1e3;
+  }
+  return vote_error;
 }
 
 expected<train_result> trainer::run() {
@@ -893,31 +928,9 @@ expected<train_result> trainer::run() {
       return comm.all_reduce(stats.data(), stats.size(), coll::dtype::float32,
                              coll::reduce_op::sum);
     });
-    // The commit vote: a no from anyone (or a failed vote) means no commit.
-    // The second entry is the newest epoch anyone has heard of.
-    // The third is whether any rank's gradient overflowed.
-    // Verification steps add a slot per member: the hash of its state.
-    const bool verify = tc.verify_every > 0 && step % tc.verify_every == 0;
-    std::vector<int64_t> vote(3 + (verify ? world : 0), INT64_MIN);
-    vote[0] = latched ? 1 : 0;
-    vote[1] = I.sup ? static_cast<int64_t>(I.sup->newest_epoch()) : 0;
-    vote[2] = overflow ? 1 : 0;
-    const double verify_t0 = mono_s();
-    if (verify)
-      vote[3 + comm.index()] = vote_slot(hash_state(master, I.adam_m, I.adam_v, I.scalars));
-    result.verify_ms += (mono_s() - verify_t0) * 1e3;
-    caf::error vote_error;
-    I.collective(vote_error, [&] {
-      return comm.all_reduce(vote.data(), vote.size(), coll::dtype::int64, coll::reduce_op::max);
-    });
-    if (verify && !latched && !vote_error && vote[0] == 0) {
-      const double t1 = mono_s();
-      I.collective(latched, [&] {
-        return I.check_replicas(comm, std::span<const int64_t>(vote).subspan(3), master, net,
-                                step);
-      });
-      result.verify_ms += (mono_s() - t1) * 1e3;
-    }
+    std::vector<int64_t> vote;
+    auto vote_error = I.commit_vote(comm, step, latched, overflow, master, net, vote,
+                                    result.verify_ms);
     if (latched || vote_error || vote[0] != 0) {
       auto why = latched ? latched
                  : vote_error ? vote_error
