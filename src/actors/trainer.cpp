@@ -1,5 +1,6 @@
 #include "actors/trainer.hpp"
 
+#include "actors/optimizer.hpp"
 #include "actors/step_collectives.hpp"
 
 #include "collectives/exact.hpp"
@@ -56,15 +57,6 @@ uint64_t slot_hash(int64_t v) {
 void maybe_hang() {
   while (hang_requested.load(std::memory_order_relaxed))
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-}
-
-/// Linear warm-up, then cosine decay to a tenth of the peak.
-double learning_rate(const model::train_config& t, uint64_t step) {
-  if (step < t.warmup)
-    return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup + 1);
-  double progress = static_cast<double>(step - t.warmup)
-                    / static_cast<double>(std::max<size_t>(1, t.steps - t.warmup));
-  return t.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress))));
 }
 
 /// Worst layer's max expert load over its mean.
@@ -172,18 +164,10 @@ struct trainer::impl {
     full = o.config.train.sharding == "full" && per_group() > 1;
     scalars = {static_cast<float>(o.config.train.loss_scale), 0.0f};
   }
-  kernels::cpu::loss_scaler scaler() const {
-    kernels::cpu::loss_scaler ls;
-    ls.scale = scalars[0];
-    ls.good_steps = static_cast<uint32_t>(scalars[1]);
-    ls.max_scale = std::max(ls.max_scale, scalars[0]);
-    return ls;
-  }
   std::span<float> shard_of(std::span<float> full) const {
     return full.subspan(shards.offsets[position], shards.counts[position]);
   }
 
-  kernels::cpu::adamw_params hyper(uint64_t k) const;
   void apply(std::span<float> params, uint64_t k, std::span<const float> update);
   void remember(uint64_t k, std::span<const float> update);
   caf::error split_epoch();
@@ -220,27 +204,8 @@ trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
 
 trainer::~trainer() = default;
 
-kernels::cpu::adamw_params trainer::impl::hyper(uint64_t k) const {
-  const auto& tc = o.config.train;
-  kernels::cpu::adamw_params hp;
-  hp.lr = static_cast<float>(learning_rate(tc, k));
-  hp.beta1 = static_cast<float>(tc.beta1);
-  hp.beta2 = static_cast<float>(tc.beta2);
-  hp.eps = static_cast<float>(tc.eps);
-  hp.weight_decay = static_cast<float>(tc.weight_decay);
-  return hp;
-}
-
 void trainer::impl::apply(std::span<float> params, uint64_t k, std::span<const float> update) {
-  const bool skip = is_skipped_update(update);
-  if (!skip)
-    kernels::cpu::adamw_step(params.data(), update.data(), adam_m.data(), adam_v.data(),
-                             params.size(), hyper(k), k + 1);
-  if (bf16) {
-    auto ls = scaler();
-    kernels::cpu::update_loss_scale(ls, skip);
-    scalars = {ls.scale, static_cast<float>(ls.good_steps)};
-  }
+  apply_committed(o.config.train, {k, params, adam_m, adam_v, scalars}, k, update);
 }
 
 void trainer::impl::remember(uint64_t k, std::span<const float> update) {

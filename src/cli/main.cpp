@@ -1,4 +1,5 @@
 // cmesh: the command line of Candies Mesh.
+#include "cli/checkpoint.hpp"
 #include "cli/commands.hpp"
 
 #include <CLI/CLI.hpp>
@@ -126,6 +127,9 @@ int main(int argc, char** argv) {
                      "the random actions fall at this step or later")
     ->capture_default_str();
 
+  checkpoint_args ckpt;
+  auto* checkpoint = add_checkpoint_command(app, ckpt);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -144,5 +148,7 @@ int main(int argc, char** argv) {
     return run_worker(job);
   if (app.got_subcommand(launch))
     return run_launch(job);
+  if (app.got_subcommand(checkpoint))
+    return run_checkpoint(ckpt);
   return 2;
 }

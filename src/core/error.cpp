@@ -25,6 +25,7 @@ std::string_view to_string(errc x) {
     case errc::overflow: return "overflow";
     case errc::fenced: return "fenced";
     case errc::unrecoverable: return "unrecoverable";
+    case errc::corrupt: return "corrupt";
   }
   return "unknown_error";
 }

@@ -34,6 +34,7 @@ enum class errc : uint8_t {
   overflow = 16,          // an exact-mode sum that would not fit
   fenced = 17,            // this incarnation was left out of the epoch: it must restart
   unrecoverable = 18,     // no epoch can form: a restart from a checkpoint is needed
+  corrupt = 19,           // stored data fails its checks: a checksum, a size, a manifest
 };
 
 /// CAF error category of every cmesh error.

@@ -37,7 +37,7 @@ struct register_worker {
   // from the job's. Empty: a job without a training configuration (the
   // ring smoke job, test nodes, tools), not checked.
   uint64_t config_digest = 0;
-  std::vector<std::pair<std::string, std::string>> config;
+  std::vector<std::pair<std::string, std::string>> config = {};
   MSGPACK_DEFINE(rank, world_size, incarnation, pid, host, ucx_address, config_digest, config)
   bool operator==(const register_worker&) const = default;
 };
