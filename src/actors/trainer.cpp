@@ -649,6 +649,8 @@ expected<train_result> trainer::run() {
     I.maybe_flip(master, st.step, net);
     if (I.sup)
       I.sup->at_boundary(st);
+    if (I.o.listener)
+      I.o.listener->at_boundary(st);
     const uint64_t step = st.step;
     auto& comm = *I.comm;
     if (faults_requested.load(std::memory_order_relaxed) > 0) {
@@ -929,6 +931,8 @@ expected<train_result> trainer::run() {
     }
     ++st.step;
     ++committed_here;
+    if (I.o.listener)
+      I.o.listener->committed(step, update, st);
     const double dt = mono_s() - t0;
     step_report rep;
     rep.step = st.step;
@@ -950,6 +954,7 @@ expected<train_result> trainer::run() {
       I.o.on_step(rep);
   }
   result.steps = st.step;
+  result.state_hash = hash_state(master, I.adam_m, I.adam_v, I.scalars);
   result.seconds = mono_s() - t_start;
   result.tokens_per_s =
     tokens_per_step * static_cast<double>(committed_here) / std::max(result.seconds, 1e-9);

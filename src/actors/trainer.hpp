@@ -104,6 +104,7 @@ struct train_result {
   double tokens_per_s = 0;
   uint64_t weights_xxh64 = 0;   // of the final fp32 weights, to compare runs
   double verify_ms = 0;         // spent hashing and comparing replicas (this rank)
+  uint64_t state_hash = 0;      // hash_state of this rank's final state (shard)
 };
 
 /// A rank's training state "at step s": the weights and AdamW moments after
@@ -223,6 +224,19 @@ void request_flip();
 /// on; each call fails one more attempt. Async-signal-safe.
 void request_fault();
 
+/// Sees this rank's committed steps, on the trainer's thread (the
+/// checkpoint shadow's feed: actors/checkpoint.hpp). Must not block.
+class commit_listener {
+public:
+  virtual ~commit_listener() = default;
+  /// At each step boundary, the state at st.step.
+  virtual void at_boundary(const train_state& st) = 0;
+  /// Step k committed here with `update`, leaving the state `after` (at
+  /// step k + 1). Steps applied by reconciliation or catch-up are not
+  /// announced: a listener that sees a gap takes the state at a boundary.
+  virtual void committed(uint64_t k, std::span<const float> update, const train_state& after) = 0;
+};
+
 struct trainer_options {
   model::run_config config;
   size_t replicas = 1;
@@ -231,6 +245,7 @@ struct trainer_options {
   /// Committed updates kept for members that fall behind (reconciliation at
   /// an epoch's start): a member more than this many steps behind is fenced.
   size_t replay_window = 4;
+  commit_listener* listener = nullptr; // not owned; outlives run()
 };
 
 /// The step loop. Without a supervision: over one fixed communicator of

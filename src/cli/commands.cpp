@@ -284,6 +284,10 @@ std::vector<std::string> worker_args(const job_options& job) {
   a.insert(a.end(), {"--step-timeout-ms", std::to_string(job.supervise.step_timeout_ms)});
   if (job.supervise.catchup_nice != 0)
     a.insert(a.end(), {"--catchup-nice", std::to_string(job.supervise.catchup_nice)});
+  if (job.supervise.shadow)
+    a.push_back("--shadow");
+  if (job.supervise.shadow_check)
+    a.push_back("--shadow-check");
   return a;
 }
 
@@ -344,7 +348,9 @@ int run_worker(const job_options& job) {
                            replica_groups(job.train, static_cast<size_t>(j->place.world_size)),
                            std::chrono::seconds(job.timeout_s),
                            std::chrono::milliseconds(job.supervise.step_timeout_ms),
-                           job.supervise.catchup_nice);
+                           job.supervise.catchup_nice,
+                           {job.supervise.shadow || job.supervise.shadow_check,
+                            job.supervise.shadow_check});
     j->net->stop();
     if (!rc) {
       fail_line(fmt::format("rank {}: {}", j->place.rank, describe(rc.error())));

@@ -20,6 +20,8 @@ struct supervise_flags {
   uint32_t max_reforms = 3;         // re-forms in a row with no commit before the job fails
   int64_t step_timeout_ms = 300000; // worker: the step watchdog (0: off)
   int catchup_nice = 0;              // worker: nice added to its catch-up threads
+  bool shadow = false;               // worker: a checkpoint shadow of its shard
+  bool shadow_check = false;         // worker: ... compared with the trainer every step
   int64_t restart_delay_ms = 1000;  // launch: before a dead worker is restarted
   uint32_t max_restarts = 3;        // launch: per rank
   std::string chaos;                // launch: a chaos plan (chaos/plan.hpp)

@@ -55,6 +55,12 @@ int main(int argc, char** argv) {
                     "where each rank computes: cpu, cuda (one GPU per rank; overrides the "
                     "config), or emulated (the device code path on the CPU, for tests)")
       ->check(CLI::IsMember({"cpu", "cuda", "emulated"}));
+    cmd->add_flag("--shadow", job.supervise.shadow,
+                  "keep a checkpoint shadow of the rank's shard: a copy of its state that an "
+                  "actor brings to each committed step with the same optimizer");
+    cmd->add_flag("--shadow-check", job.supervise.shadow_check,
+                  "--shadow, and compare the shadow with the trainer's state after every step "
+                  "(costs a hash of the state per step on both sides)");
     cmd->add_option("--catchup-nice", job.supervise.catchup_nice,
                     "nice value added to the threads serving or receiving a catch-up, so that "
                     "on a shared host it takes idle cores rather than the survivors' (0: off)")

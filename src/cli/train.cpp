@@ -1,6 +1,7 @@
 #include "cli/train.hpp"
 
 #include "actors/agent.hpp"
+#include "actors/checkpoint.hpp"
 #include "actors/trainer.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "kernels/gemm.hpp"
@@ -98,11 +99,25 @@ void print_stats(uint32_t rank, double step_ms_total, double verify_ms) {
   std::fflush(stdout);
 }
 
+/// Where the checkpoint shadow stands against the trainer's final state.
+void print_shadow(uint32_t rank, actors::shadow_feed& feed, const actors::train_result& r) {
+  auto s = feed.status(std::chrono::seconds(10));
+  if (!s) {
+    fmt::print("cmesh: rank {} shadow unavailable: {}\n", rank, describe(s.error()));
+  } else {
+    fmt::print("cmesh: rank {} shadow step={} state={:016x} trainer_step={} trainer_state={:016x} "
+               "applied={} seeds={} dropped={} checked={} mismatches={}\n",
+               rank, s->step, s->state_hash, r.steps, r.state_hash, s->applied, s->seeds,
+               feed.dropped(), s->checked, s->mismatches);
+  }
+  std::fflush(stdout);
+}
+
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout, std::chrono::milliseconds step_timeout,
-                           int catchup_nice) {
+                           int catchup_nice, shadow_flags shadow) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
   auto report_failure = [&](const caf::error& e) {
@@ -171,6 +186,12 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   caf::actor_system_config sys_cfg;
   tune_actor_system(sys_cfg, 1);
   caf::actor_system sys{sys_cfg};
+  std::unique_ptr<actors::shadow_feed> feed;
+  if (shadow.on) {
+    feed = std::make_unique<actors::shadow_feed>(
+      sys, actors::shadow_options{config.train, 8, shadow.check});
+    opts.listener = feed.get();
+  }
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto* sup = &agent;
@@ -223,6 +244,8 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                               result->seconds, result->weights_xxh64),
                   mono_ns()});
   print_stats(rank, *step_ms_total, result->verify_ms);
+  if (feed)
+    print_shadow(rank, *feed, *result);
   // Beacons go on until the job ends, so the coordinator never mistakes a
   // finished rank for a dead one while the others finish. A coordinator
   // that is away is waited for (the agent reconnects to its restart).

@@ -50,6 +50,12 @@ inline size_t ranks_per_group(const train_flags& f, size_t world_size) {
   return world_size / replica_groups(f, world_size);
 }
 
+/// The checkpoint shadow of a worker (actors/checkpoint.hpp).
+struct shadow_flags {
+  bool on = false;
+  bool check = false; // compared with the trainer's state after every step
+};
+
 /// Runs the trainer of this rank on a joined mesh with a config from
 /// resolve_config, under the coordinator's supervision (epochs, retries,
 /// catch-up), reports "done" (or "failed", "fenced") to the coordinator and
@@ -58,7 +64,7 @@ inline size_t ranks_per_group(const train_flags& f, size_t world_size) {
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout,
                            std::chrono::milliseconds step_timeout = std::chrono::milliseconds(0),
-                           int catchup_nice = 0);
+                           int catchup_nice = 0, shadow_flags shadow = {});
 
 /// Exit code of a worker fenced out of the job (it may be restarted).
 constexpr int exit_fenced = 4;
