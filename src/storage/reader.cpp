@@ -21,7 +21,7 @@ namespace cmesh::storage {
 namespace {
 
 constexpr uint64_t manifest_limit = uint64_t{1} << 30;
-constexpr uint64_t read_chunk = uint64_t{1} << 20; // a piece read only in part is hashed in these
+constexpr uint64_t read_chunk = uint64_t{1} << 20; // pieces are read and hashed in these
 
 caf::error corrupt(const std::string& what) {
   return make_error(errc::corrupt, what);
@@ -38,7 +38,10 @@ expected<int64_t> mtime_ms(const std::string& path) {
 /// Reads piece `p` of `f` and checks its xxh64; its bytes [lo, hi) (from
 /// the piece's start) are copied to `dest` when given. A piece the caller
 /// wants whole is read straight into `dest`; otherwise it streams through
-/// a bounded buffer.
+/// a bounded buffer. Either way a chunk is hashed right after it is read,
+/// while it is still in the CPU's caches (hashing a 64 MiB piece after
+/// reading all of it cost a second pass over memory: 2.4x a plain read()
+/// of warm files, against 1.0-1.5x).
 caf::error read_piece(const file& f, const std::string& path, const manifest& m,
                       const piece_entry& p, uint64_t lo, uint64_t hi, std::byte* dest) {
   const uint64_t bytes = p.count * dtype_bytes(m.arrays[p.array].dtype);
@@ -49,14 +52,18 @@ caf::error read_piece(const file& f, const std::string& path, const manifest& m,
                                describe_piece(m, p), p.offset, p.offset + bytes));
   };
   uint64_t sum = 0;
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> st(XXH64_createState(),
+                                                                 &XXH64_freeState);
+  XXH64_reset(st.get(), 0);
   if (dest && lo == 0 && hi == bytes) {
-    if (auto err = read_at(f, {dest, bytes}, p.offset, path))
-      return truncated(err);
-    sum = XXH64(dest, bytes, 0);
+    for (uint64_t at = 0; at < bytes; at += read_chunk) {
+      const auto n = std::min<uint64_t>(read_chunk, bytes - at);
+      if (auto err = read_at(f, {dest + at, n}, p.offset + at, path))
+        return truncated(err);
+      XXH64_update(st.get(), dest + at, n);
+    }
+    sum = XXH64_digest(st.get());
   } else {
-    std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> st(XXH64_createState(),
-                                                                   &XXH64_freeState);
-    XXH64_reset(st.get(), 0);
     std::vector<std::byte> buf(std::min(bytes, read_chunk));
     for (uint64_t at = 0; at < bytes; at += buf.size()) {
       const auto n = std::min<uint64_t>(buf.size(), bytes - at);
