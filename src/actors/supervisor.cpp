@@ -22,13 +22,21 @@ int64_t now_ms() {
 
 constexpr int64_t long_ago = std::numeric_limits<int64_t>::min() / 4;
 
-/// The ranks of groups `ms` (S ranks each, group g holds g*S .. g*S+S-1).
-std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms, uint32_t S) {
+/// The ranks of groups `gs` (S ranks each, group g holds g*S .. g*S+S-1).
+std::vector<uint32_t> ranks_of(const std::vector<uint32_t>& gs, uint32_t S) {
   std::vector<uint32_t> out;
-  for (auto& m : ms)
+  for (auto g : gs)
     for (uint32_t p = 0; p < S; ++p)
-      out.push_back(m.group * S + p);
+      out.push_back(g * S + p);
   return out;
+}
+
+/// The ranks of the groups of members `ms`.
+std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms, uint32_t S) {
+  std::vector<uint32_t> gs;
+  for (auto& m : ms)
+    gs.push_back(m.group);
+  return ranks_of(gs, S);
 }
 
 } // namespace
@@ -300,10 +308,7 @@ void supervisor::impl::on_divergence(uint32_t rank, const wire::replica_divergen
   divergence_epoch_seen = d.epoch;
   divergence_step_seen = d.step;
   ++stats.divergences;
-  std::vector<uint32_t> ranks;
-  for (auto g : d.minority)
-    for (uint32_t p = 0; p < S(); ++p)
-      ranks.push_back(g * S() + p);
+  const auto ranks = ranks_of(d.minority, S());
   log->emit("replica_divergence", {{"epoch", d.epoch},
                                    {"step", d.step},
                                    {"reporter", uint64_t{rank}},

@@ -138,6 +138,7 @@ struct trainer::impl {
   /// The update of a step whose commit vote failed here: if the others saw
   /// it pass, it is applied when the next epoch reconciles.
   std::optional<std::pair<uint64_t, std::vector<float>>> pending;
+  std::vector<int64_t> vote; // the commit vote's buffer, reused step to step
   double comm_s = 0;
 
   impl(trainer_options opts, std::shared_ptr<const model::corpus> d)
@@ -183,7 +184,7 @@ struct trainer::impl {
                                        const model::model& net) const;
   caf::error commit_vote(coll::communicator& comm, uint64_t step, caf::error& latched,
                          bool overflow, std::span<const float> master, const model::model& net,
-                         std::vector<int64_t>& vote, double& verify_ms);
+                         double& verify_ms);
 };
 
 trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
@@ -444,6 +445,10 @@ caf::error trainer::impl::check_replicas(coll::communicator& comm,
   const auto v = recovery::compare_replicas(groups, S, table);
   if (v.agree)
     return {};
+  auto in_minority = [&](size_t i) { // member i's group
+    return std::binary_search(v.minority.begin(), v.minority.end(),
+                              static_cast<uint32_t>(ranks[i] / S));
+  };
   // Name the tensors: every member's per-segment hashes.
   const auto mine = segment_hashes(master, net);
   const size_t K = mine.size();
@@ -473,8 +478,7 @@ caf::error trainer::impl::check_replicas(coll::communicator& comm,
         at_p.push_back(i);
     size_t ref = at_p.front();
     for (auto i : at_p)
-      if (!std::binary_search(v.minority.begin(), v.minority.end(),
-                              static_cast<uint32_t>(ranks[i] / S))) {
+      if (!in_minority(i)) {
         ref = i;
         break;
       }
@@ -493,15 +497,13 @@ caf::error trainer::impl::check_replicas(coll::communicator& comm,
   d.reason = v.reason;
   // One member tells the coordinator: the first outside the minority.
   size_t reporter = 0;
-  while (reporter < N && std::binary_search(v.minority.begin(), v.minority.end(),
-                                            static_cast<uint32_t>(ranks[reporter] / S)))
+  while (reporter < N && in_minority(reporter))
     ++reporter;
   if (sup && comm.index() == reporter)
     sup->report_divergence(d);
-  const bool here = std::binary_search(v.minority.begin(), v.minority.end(),
-                                       static_cast<uint32_t>(ranks[comm.index()] / S));
   spdlog::error("trainer: replica divergence at step {}{}: {}; differing: {}", step,
-                here ? " (this rank's group is the minority)" : "", v.reason, d.tensors);
+                in_minority(comm.index()) ? " (this rank's group is the minority)" : "", v.reason,
+                d.tensors);
   return make_error(v.no_majority ? errc::unrecoverable : errc::aborted,
                     fmt::format("replica divergence at step {}: {}{}", step, v.reason,
                                 v.no_majority ? "; no majority to trust" : ""));
@@ -510,11 +512,12 @@ caf::error trainer::impl::check_replicas(coll::communicator& comm,
 /// The commit vote, an all_reduce (max) over every member: [a no (a
 /// latched error), the newest epoch heard of, a gradient that overflowed];
 /// verification steps add a slot per member, the hash of its state, and
-/// compare them (a divergence latches). Returns the vote's own error.
+/// compare them (a divergence latches). The result is in `vote`; returns
+/// the vote's own error.
 caf::error trainer::impl::commit_vote(coll::communicator& comm, uint64_t step,
                                       caf::error& latched, bool overflow,
                                       std::span<const float> master, const model::model& net,
-                                      std::vector<int64_t>& vote, double& verify_ms) {
+                                      double& verify_ms) {
   const auto& tc = o.config.train;
   const bool verify = tc.verify_every > 0 && step % tc.verify_every == 0;
   vote.assign(3 + (verify ? comm.size() : 0), INT64_MIN);
@@ -895,9 +898,8 @@ expected<train_result> trainer::run() {
       return comm.all_reduce(stats.data(), stats.size(), coll::dtype::float32,
                              coll::reduce_op::sum);
     });
-    std::vector<int64_t> vote;
-    auto vote_error = I.commit_vote(comm, step, latched, overflow, master, net, vote,
-                                    result.verify_ms);
+    auto vote_error = I.commit_vote(comm, step, latched, overflow, master, net, result.verify_ms);
+    const auto& vote = I.vote;
     if (latched || vote_error || vote[0] != 0) {
       auto why = latched ? latched
                  : vote_error ? vote_error
