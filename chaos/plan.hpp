@@ -19,6 +19,10 @@
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
+//   kill-all@S         SIGKILL every worker at once at step S (the job then
+//                      resumes from its checkpoints: --checkpoint-dir)
+//   corrupt@S          at step S, flip one byte of a shard file of the newest
+//                      checkpoint (a resume must pass it over for an older one)
 //   kill-coordinator   is not a plan action: the coordinator is the launcher
 // A seeded random plan (random_plan) picks kills, faults, stops and hangs at
 // distinct steps; the seed
@@ -34,7 +38,7 @@
 
 namespace cmesh::chaos {
 
-enum class action_kind : uint8_t { kill, stop, kill_source, hang, fault, flip };
+enum class action_kind : uint8_t { kill, stop, kill_source, hang, fault, flip, kill_all, corrupt };
 
 struct action {
   action_kind kind = action_kind::kill;

@@ -29,6 +29,14 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
   REQUIRE(f);
   CHECK((*f)[0] == action{action_kind::flip, 7, 2, 0});
   CHECK(to_string(*f) == "flip@7:2");
+  // Every worker at once, and a byte of the newest checkpoint.
+  auto k = parse_plan("corrupt@30,kill-all@20", 4);
+  REQUIRE(k);
+  CHECK((*k)[0] == action{action_kind::kill_all, 20, 0, 0});
+  CHECK((*k)[1] == action{action_kind::corrupt, 30, 0, 0});
+  CHECK(to_string(*k) == "kill-all@20,corrupt@30");
+  CHECK(!parse_plan("kill-all@20:1", 4));
+  CHECK(!parse_plan("corrupt@x", 4));
   auto empty = parse_plan("", 4);
   REQUIRE(empty);
   CHECK(empty->empty());

@@ -1,19 +1,107 @@
 #include "actors/checkpoint.hpp"
 
 #include "actors/optimizer.hpp"
+#include "storage/reader.hpp"
+#include "storage/retention.hpp"
+#include "storage/writer.hpp"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <thread>
 #include <vector>
 
 namespace cmesh::actors {
+
+caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string& root,
+                                  uint64_t step, std::span<const float> params,
+                                  std::span<const float> adam_m, std::span<const float> adam_v,
+                                  std::span<const float> scalars) {
+  const uint32_t S = std::max<uint32_t>(1, t.ranks_per_group);
+  const uint32_t position = t.rank % S;
+  const auto split = split_shards(t.elements, S, norm_block);
+  const uint64_t first = split.offsets[position];
+  storage::checkpoint_meta meta;
+  meta.step = step;
+  meta.replicas = t.replicas;
+  meta.ranks_per_group = S;
+  meta.data_position = step; // the data of a step is a function of the step
+  meta.loss_scale = scalars.size() > 0 ? scalars[0] : 1.0f;
+  meta.loss_scale_good_steps = scalars.size() > 1 ? static_cast<uint64_t>(scalars[1]) : 0;
+  meta.config = t.config;
+  std::vector<storage::array_entry> arrays;
+  for (const char* name : {"weights", "adam_m", "adam_v"})
+    arrays.push_back({name, "f32", t.elements, true});
+  auto w = storage::checkpoint_writer::begin(root, std::move(meta), std::move(arrays), t.tensors);
+  if (!w)
+    return w.error();
+  const std::vector<storage::array_slice> slices{storage::slice_of("weights", first, params),
+                                                 storage::slice_of("adam_m", first, adam_m),
+                                                 storage::slice_of("adam_v", first, adam_v)};
+  if (auto e = w->write_shard(position, slices))
+    return e;
+  if (position != 0) {
+    if (auto e = w->publish_part())
+      return e;
+    if (auto gone = storage::remove_own_stale_parts(root, step); !gone)
+      spdlog::warn("checkpoint: {}", describe(gone.error()));
+    return {};
+  }
+  if (S > 1)
+    if (auto e = w->adopt_parts(S, t.assemble_timeout))
+      return e;
+  auto dir = w->commit();
+  if (!dir)
+    return dir.error();
+  spdlog::info("checkpoint: step {} written to {}", step, *dir);
+  // Retention: the committer of a root trims it.
+  auto all = storage::list_checkpoints(root, false);
+  if (!all)
+    return all.error();
+  std::vector<uint64_t> steps;
+  for (auto& c : *all)
+    steps.push_back(c.step);
+  for (auto old : storage::retention_plan(steps, t.keep_last, t.keep_every))
+    if (auto e = storage::remove_checkpoint(root, old))
+      spdlog::warn("checkpoint: retention: {}", describe(e));
+  return {};
+}
 
 namespace {
 
 using seed_atom = caf::atom_constant<caf::atom("seed")>;
 using commit_atom = caf::atom_constant<caf::atom("commit")>;
 using status_atom = caf::atom_constant<caf::atom("status")>;
+using write_atom = caf::atom_constant<caf::atom("write")>;
+using written_atom = caf::atom_constant<caf::atom("written")>;
+using writer_atom = caf::atom_constant<caf::atom("writer")>;
+
+/// The disk actor: writes each copy it is sent through the tiers, in
+/// order, and tells the shadow how it went.
+caf::behavior disk_actor(caf::event_based_actor*, checkpoint_target t) {
+  return {
+    [=](write_atom, uint64_t step, const std::vector<float>& p, const std::vector<float>& m,
+        const std::vector<float>& v, const std::vector<float>& sc) {
+      std::string failure;
+      for (const auto& root : t.roots) {
+        if (auto e = write_shard_checkpoint(t, root, step, p, m, v, sc)) {
+          failure = describe(e);
+          spdlog::error("checkpoint: rank {} could not write step {} to {}: {}", t.rank, step,
+                        root, failure);
+          break; // a later tier is a copy of the earlier one
+        }
+      }
+      return caf::make_message(written_atom::value, step, failure);
+    },
+  };
+}
+
+/// A copy of the shard's state at a step, for the disk.
+struct snapshot {
+  uint64_t step = 0;
+  std::vector<float> params, adam_m, adam_v, scalars;
+};
 
 /// The shadow actor's state: its copy of the shard and what it did.
 struct shadow_state {
@@ -22,14 +110,79 @@ struct shadow_state {
   std::shared_ptr<std::atomic<int64_t>> in_flight;
   std::vector<float> params, adam_m, adam_v, scalars;
   shadow_status st;
+  std::optional<checkpoint_target> target;
+  caf::actor disk;
+  bool writer = true;    // its group writes the checkpoints
+  uint64_t last_due = 0; // the newest step a checkpoint was due at (written or skipped)
+  std::optional<snapshot> pending; // due while a write ran: written after it
 
   train_state view() { return {st.step, params, adam_m, adam_v, scalars}; }
 };
 
-caf::behavior shadow_actor(caf::stateful_actor<shadow_state>* self, model::train_config train,
-                           std::shared_ptr<std::atomic<int64_t>> in_flight) {
-  self->state.train = std::move(train);
-  self->state.in_flight = std::move(in_flight);
+using shadow_self = caf::stateful_actor<shadow_state>;
+
+/// Sends a copy to the disk actor; when it is done, the copy that became
+/// due meanwhile (if any) follows.
+void send_write(shadow_self* self, snapshot copy) {
+  auto& S = self->state;
+  S.st.writing = true;
+  const uint64_t step = copy.step;
+  self->request(S.disk, caf::infinite, write_atom::value, step, std::move(copy.params),
+                std::move(copy.adam_m), std::move(copy.adam_v), std::move(copy.scalars))
+    .then([self](written_atom, uint64_t step, const std::string& failure) {
+      auto& T = self->state;
+      T.st.writing = false;
+      if (failure.empty()) {
+        ++T.st.written;
+        T.st.last_written = std::max(T.st.last_written, step);
+      } else {
+        ++T.st.write_failures;
+      }
+      if (T.pending) {
+        auto next = std::move(*T.pending);
+        T.pending.reset();
+        send_write(self, std::move(next));
+      }
+    });
+}
+
+/// After the shadow reached a step: when a checkpoint is due there (see
+/// checkpoint.hpp), a copy goes to the disk actor, or waits for the write
+/// in flight (one copy waits at most: a newer one replaces it).
+void maybe_write(shadow_self* self) {
+  auto& S = self->state;
+  const uint64_t s = S.st.step;
+  if (!S.target || !S.writer || !S.st.seeded || s == 0 || s <= S.last_due
+      || s <= S.target->resumed_from)
+    return;
+  const bool due = (S.target->every > 0 && s % S.target->every == 0) || s == S.train.steps;
+  if (!due)
+    return;
+  S.last_due = s;
+  snapshot copy{s, S.params, S.adam_m, S.adam_v, S.scalars};
+  if (!S.st.writing) {
+    send_write(self, std::move(copy));
+    return;
+  }
+  if (S.pending) {
+    ++S.st.write_skipped;
+    spdlog::warn("checkpoint: rank {} skips step {}: step {} is due while a write still runs",
+                 S.target->rank, S.pending->step, s);
+  }
+  S.pending = std::move(copy);
+}
+
+caf::behavior shadow_actor(shadow_self* self, model::train_config train,
+                           std::shared_ptr<std::atomic<int64_t>> in_flight,
+                           std::optional<checkpoint_target> target) {
+  auto& S0 = self->state;
+  S0.train = std::move(train);
+  S0.in_flight = std::move(in_flight);
+  S0.target = std::move(target);
+  if (S0.target) {
+    S0.disk = self->spawn<caf::detached + caf::linked>(disk_actor, *S0.target);
+    S0.last_due = S0.target->resumed_from;
+  }
   return {
     [=](seed_atom, uint64_t step, std::vector<float>& p, std::vector<float>& m,
         std::vector<float>& v, std::vector<float>& sc) {
@@ -42,6 +195,7 @@ caf::behavior shadow_actor(caf::stateful_actor<shadow_state>* self, model::train
       S.st.step = step;
       S.st.seeded = true;
       ++S.st.seeds;
+      maybe_write(self);
     },
     [=](commit_atom, uint64_t k, const std::vector<float>& update, uint64_t expect) {
       auto& S = self->state;
@@ -63,13 +217,18 @@ caf::behavior shadow_actor(caf::stateful_actor<shadow_state>* self, model::train
                         k);
         }
       }
+      maybe_write(self);
     },
+    [=](writer_atom, bool writer) { self->state.writer = writer; },
     [=](status_atom) {
       auto& S = self->state;
       S.st.state_hash = S.st.seeded ? hash_state(S.params, S.adam_m, S.adam_v, S.scalars) : 0;
+      S.st.writing = S.st.writing || S.pending.has_value();
       const auto& s = S.st;
-      return std::vector<uint64_t>{s.step,    s.state_hash, s.seeded ? 1u : 0u, s.applied,
-                                   s.seeds,   s.checked,    s.mismatches};
+      return std::vector<uint64_t>{s.step,         s.state_hash,     s.seeded ? 1u : 0u,
+                                   s.applied,      s.seeds,          s.checked,
+                                   s.mismatches,   s.written,        s.write_failures,
+                                   s.write_skipped, s.last_written,  s.writing ? 1u : 0u};
     },
   };
 }
@@ -82,7 +241,20 @@ std::vector<float> copy_of(std::span<const float> s) {
 
 shadow_feed::shadow_feed(caf::actor_system& sys, shadow_options o)
     : sys_(sys), o_(std::move(o)), in_flight_(std::make_shared<std::atomic<int64_t>>(0)) {
-  shadow_ = sys_.spawn(shadow_actor, o_.train, in_flight_);
+  shadow_ = sys_.spawn(shadow_actor, o_.train, in_flight_, o_.target);
+  if (o_.target)
+    writer_ = o_.target->rank / std::max<uint32_t>(1, o_.target->ranks_per_group) == 0;
+  caf::anon_send(shadow_, writer_atom::value, writer_);
+}
+
+void shadow_feed::entered_epoch(std::span<const uint32_t> members, size_t ranks_per_group) {
+  if (!o_.target || members.empty())
+    return;
+  const size_t S = std::max<size_t>(1, ranks_per_group);
+  const bool w = o_.target->rank / S == *std::min_element(members.begin(), members.end()) / S;
+  if (w != writer_)
+    caf::anon_send(shadow_, writer_atom::value, w);
+  writer_ = w;
 }
 
 shadow_feed::~shadow_feed() {
@@ -132,6 +304,11 @@ expected<shadow_status> shadow_feed::status(std::chrono::milliseconds timeout) {
         s.seeds = v.at(4);
         s.checked = v.at(5);
         s.mismatches = v.at(6);
+        s.written = v.at(7);
+        s.write_failures = v.at(8);
+        s.write_skipped = v.at(9);
+        s.last_written = v.at(10);
+        s.writing = v.at(11) != 0;
         out = s;
       },
       [&](caf::error& e) {
@@ -139,6 +316,24 @@ expected<shadow_status> shadow_feed::status(std::chrono::milliseconds timeout) {
                          fmt::format("the checkpoint shadow: {}", sys_.render(e)));
       });
   return out;
+}
+
+expected<shadow_status> shadow_feed::drain(uint64_t step, std::chrono::milliseconds timeout) {
+  const auto until = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    auto s = status(timeout);
+    if (!s)
+      return s;
+    if (s->step >= step && !s->writing)
+      return s;
+    if (std::chrono::steady_clock::now() > until)
+      return make_error(errc::timeout,
+                        fmt::format("the checkpoint shadow is at step {}{} after {} ms, not at "
+                                    "step {}",
+                                    s->step, s->writing ? " and still writing" : "",
+                                    timeout.count(), step));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 } // namespace cmesh::actors

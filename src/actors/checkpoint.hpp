@@ -18,16 +18,34 @@
 // trainer's after every step it applied. `check` sends the trainer's state
 // hash with each update for the shadow to compare after applying it (a
 // hash of the state per step on both sides: for tests and audits).
+//
+// Writing (a checkpoint_target): when the shadow reaches a step that is a
+// multiple of `every`, or the run's last step, it copies its state and
+// hands the copy to a disk actor of its own (a detached CAF actor: its
+// blocking I/O takes no scheduler thread), which writes it through the
+// tiers in order: the local directory, then the shared one. One replica
+// group writes each checkpoint, the lowest of the epoch's members: each of
+// its S ranks writes its shard (storage's part protocol), and position 0
+// adopts the others' parts, commits the manifest and applies retention. A
+// checkpoint due while a write still runs waits for it (one copy waits; a
+// newer one replaces it, and the older is counted as skipped), so the
+// newest due, the run's last above all, is always written. A failed write
+// (a full disk, a read-only directory, a part that never came) is logged
+// and counted; training goes on and the previous checkpoints stay.
 #pragma once
 
 #include "actors/trainer.hpp"
 #include "model/config.hpp"
+#include "storage/manifest.hpp"
 
 #include <caf/all.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace cmesh::actors {
 
@@ -40,13 +58,43 @@ struct shadow_status {
   uint64_t seeds = 0;      // copies of the trainer's state taken
   uint64_t checked = 0;    // updates whose result was compared with the trainer's
   uint64_t mismatches = 0; // ... and differed
+  uint64_t written = 0;    // checkpoints (this rank's shard of them) written, every tier
+  uint64_t write_failures = 0;
+  uint64_t write_skipped = 0; // replaced, while waiting for a write, by a newer one
+  uint64_t last_written = 0;  // the step of the newest one written
+  bool writing = false;       // a write is in flight or waiting
+};
+
+/// Where and when a shadow writes (see above).
+struct checkpoint_target {
+  std::vector<std::string> roots; // the tiers, in order: local, then shared
+  uint64_t every = 0;             // steps between checkpoints (0: the last step only)
+  size_t keep_last = 3;           // retention (storage/retention.hpp)
+  uint64_t keep_every = 0;
+  std::chrono::milliseconds assemble_timeout{60000}; // position 0 waits this long for parts
+  uint32_t rank = 0;
+  uint32_t replicas = 1;
+  uint32_t ranks_per_group = 1;
+  uint64_t elements = 0;                 // of the flat state (each of its three arrays)
+  std::vector<storage::tensor_entry> tensors; // the model's, in the flat state
+  config_list config;                    // the job's (model::canonical_config)
+  uint64_t resumed_from = 0;             // the step resumed from: not written again
 };
 
 struct shadow_options {
   model::train_config train;
   size_t queue_max = 8; // messages in flight before an update is dropped
   bool check = false;   // compare with the trainer's state after every update
+  std::optional<checkpoint_target> target; // none: the shadow writes nothing
 };
+
+/// Writes one shard's part of the checkpoint of `step` into `root`
+/// (position 0 of the group also adopts the other parts and commits), then
+/// applies retention there. Blocking; what the disk actor runs per tier.
+caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string& root,
+                                  uint64_t step, std::span<const float> params,
+                                  std::span<const float> adam_m, std::span<const float> adam_v,
+                                  std::span<const float> scalars);
 
 /// The trainer's side: a commit_listener that feeds a shadow actor.
 class shadow_feed final : public commit_listener {
@@ -57,12 +105,18 @@ public:
   shadow_feed(const shadow_feed&) = delete;
   shadow_feed& operator=(const shadow_feed&) = delete;
 
+  void entered_epoch(std::span<const uint32_t> members, size_t ranks_per_group) override;
   void at_boundary(const train_state& st) override;
   void committed(uint64_t k, std::span<const float> update, const train_state& after) override;
 
   /// Asks the shadow where it stands, once the messages sent before were
   /// handled. Errors: timeout.
   expected<shadow_status> status(std::chrono::milliseconds timeout);
+
+  /// Waits until the shadow is at `step` or beyond with no write in flight
+  /// (the run's last checkpoint is on disk before the worker exits).
+  /// Errors: timeout.
+  expected<shadow_status> drain(uint64_t step, std::chrono::milliseconds timeout);
 
   /// Updates dropped because the shadow was behind by queue_max messages.
   uint64_t dropped() const { return dropped_; }
@@ -75,6 +129,7 @@ private:
   bool tracking_ = false;  // the shadow follows: the next update it expects is next_
   uint64_t next_ = 0;
   uint64_t dropped_ = 0;
+  bool writer_ = true; // this rank's group writes the checkpoints (the epoch's lowest)
 };
 
 } // namespace cmesh::actors

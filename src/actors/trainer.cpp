@@ -601,6 +601,9 @@ expected<train_result> trainer::run() {
     I.remember(k, u);
   };
   uint64_t committed_here = 0; // steps this process computed and committed
+  if (I.o.load)
+    if (auto e = I.o.load(st, I.shards.offsets[I.position]))
+      return e;
 
   // Enters the next epoch (after a failure `why`, or an agreed switch) and
   // reconciles its members; retried while the new epoch fails too.
@@ -616,8 +619,11 @@ expected<train_result> trainer::run() {
         e = I.device_epoch();
       if (!e)
         e = I.reconcile(st);
-      if (!e)
+      if (!e) {
+        if (I.o.listener)
+          I.o.listener->entered_epoch(I.comm->members().ranks, S);
         return {};
+      }
       if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable
           || code_of(e) == errc::invalid_argument) // e.g. layouts that disagree
         return e;
@@ -955,6 +961,8 @@ expected<train_result> trainer::run() {
     if (I.o.on_step)
       I.o.on_step(rep);
   }
+  if (I.o.listener)
+    I.o.listener->at_boundary(st); // the last step's state (a listener may not have it)
   result.steps = st.step;
   result.state_hash = hash_state(master, I.adam_m, I.adam_v, I.scalars);
   result.seconds = mono_s() - t_start;

@@ -229,8 +229,14 @@ void request_fault();
 class commit_listener {
 public:
   virtual ~commit_listener() = default;
+  /// The trainer entered an epoch of these members (global ranks, sorted),
+  /// in groups of `ranks_per_group`; before the epoch's first boundary.
+  virtual void entered_epoch(std::span<const uint32_t> members, size_t ranks_per_group) {
+    (void)members;
+    (void)ranks_per_group;
+  }
   /// At each step boundary, the state at st.step.
-  virtual void at_boundary(const train_state& st) = 0;
+  virtual void at_boundary(const train_state& st) = 0; // and once after the last step
   /// Step k committed here with `update`, leaving the state `after` (at
   /// step k + 1). Steps applied by reconciliation or catch-up are not
   /// announced: a listener that sees a gap takes the state at a boundary.
@@ -246,6 +252,10 @@ struct trainer_options {
   /// an epoch's start): a member more than this many steps behind is fenced.
   size_t replay_window = 4;
   commit_listener* listener = nullptr; // not owned; outlives run()
+  /// Resume: fills this rank's shard of the state before the first epoch
+  /// (`first`: the shard's first element in the flat parameter buffer) and
+  /// sets st.step; the run then goes on from there. Its error ends run().
+  std::function<caf::error(train_state& st, size_t first)> load;
 };
 
 /// The step loop. Without a supervision: over one fixed communicator of

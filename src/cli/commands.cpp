@@ -39,6 +39,7 @@ void fail_line(const std::string& what) {
 /// one disconnected before it was done, or the deadline passed).
 struct job_outcome {
   bool ok = false;
+  bool no_epoch = false; // the supervisor found that no epoch can form
   std::string reason;
   std::map<uint32_t, std::string> done;
 };
@@ -143,6 +144,7 @@ job_outcome await_training(coordinator& coord, actors::supervisor& sup,
       }
     }
     if (auto why = sup.failure()) {
+      out.no_epoch = true;
       out.reason = "no epoch can form: " + *why;
       return out;
     }
@@ -288,6 +290,17 @@ std::vector<std::string> worker_args(const job_options& job) {
     a.push_back("--shadow");
   if (job.supervise.shadow_check)
     a.push_back("--shadow-check");
+  const auto& d = job.supervise.durable;
+  if (!d.dir.empty())
+    a.insert(a.end(), {"--checkpoint-dir", d.dir});
+  if (!d.shared.empty())
+    a.insert(a.end(), {"--checkpoint-shared", d.shared});
+  if (d.writes())
+    a.insert(a.end(), {"--checkpoint-every", std::to_string(d.every), "--checkpoint-keep",
+                       std::to_string(d.keep_last), "--checkpoint-keep-every",
+                       std::to_string(d.keep_every)});
+  if (!d.resume.empty())
+    a.insert(a.end(), {"--resume", d.resume});
   return a;
 }
 
@@ -303,6 +316,7 @@ std::string exit_text(int status) {
 int run_worker(const job_options& job) {
   std::optional<model::run_config> config; // the train job's, resolved once
   config_list job_config;                  // ... and what it registers with
+  shadow_flags shadow;                     // ... its checkpoints and resume
   if (job.job == "train") {
     // Bad flags or config fail before anything is started.
     std::string err;
@@ -320,6 +334,21 @@ int run_worker(const job_options& job) {
     }
     config = std::move(*cfg);
     job_config = std::move(*list);
+    // A checkpoint to resume from is found, verified and checked against
+    // the configuration before the worker joins: a bad one fails here.
+    auto r = find_resume(job.supervise.durable, job_config);
+    if (!r) {
+      fail_line(fmt::format("--resume {}: {}", job.supervise.durable.resume, describe(r.error())));
+      return code_of(r.error()) == errc::unreachable ? 3 : 2;
+    }
+    shadow.resume = std::move(*r);
+    if (!job.supervise.durable.resume.empty() && !shadow.resume)
+      fmt::print("cmesh: --resume {}: no checkpoint yet; starting at step 0\n",
+                 job.supervise.durable.resume);
+    shadow.on = job.supervise.shadow || job.supervise.shadow_check;
+    shadow.check = job.supervise.shadow_check;
+    shadow.durable = job.supervise.durable;
+    shadow.config = job_config;
   }
   if (job.job == "train") {
     // Chaos support: SIGUSR1 hangs the trainer's next step (hang@STEP:RANK),
@@ -348,9 +377,7 @@ int run_worker(const job_options& job) {
                            replica_groups(job.train, static_cast<size_t>(j->place.world_size)),
                            std::chrono::seconds(job.timeout_s),
                            std::chrono::milliseconds(job.supervise.step_timeout_ms),
-                           job.supervise.catchup_nice,
-                           {job.supervise.shadow || job.supervise.shadow_check,
-                            job.supervise.shadow_check});
+                           job.supervise.catchup_nice, shadow);
     j->net->stop();
     if (!rc) {
       fail_line(fmt::format("rank {}: {}", j->place.rank, describe(rc.error())));
@@ -379,26 +406,40 @@ int run_worker(const job_options& job) {
   return sd->exit_code;
 }
 
-int run_launch(const job_options& job) {
-  std::vector<chaos::action> plan;
+namespace {
+
+/// What every attempt of a launched job shares: the coordinator's
+/// options, the target step, the chaos plan and whether ranks need NCCL
+/// host ids of their own.
+struct launch_setup {
+  coordinator_options co{"127.0.0.1", 0, 1};
   uint64_t target = 0;
-  coordinator_options co{"127.0.0.1", 0, job.world_size};
+  bool own_nccl_hosts = false;
+  std::vector<chaos::action> plan;
+  size_t next_action = 0; // the plan's actions before it were done (by an earlier attempt too)
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  uint32_t job_restarts = 0; // every worker restarted from the checkpoints
+};
+
+/// The launch's setup from the flags. Errors: invalid_argument.
+expected<launch_setup> prepare_launch(const job_options& job) {
+  launch_setup ls;
+  ls.co = coordinator_options{"127.0.0.1", 0, job.world_size};
+  auto& co = ls.co;
+  auto& plan = ls.plan;
+  auto& target = ls.target;
   // Ranks sharing a GPU: NCCL refuses two ranks of a communicator on one
   // device of one host unless each process is a host of its own
   // (NCCL_HOSTID); they then talk over NCCL's socket transport.
-  bool own_nccl_hosts = false;
+  bool& own_nccl_hosts = ls.own_nccl_hosts;
   if (job.job == "train") {
     auto cfg = resolve_config(job.train, job.world_size);
-    if (!cfg) {
-      fail_line(describe(cfg.error()));
-      return 2;
-    }
+    if (!cfg)
+      return cfg.error();
     target = cfg->train.steps;
     auto list = job_config_of(*cfg, job.train, job.world_size);
-    if (!list) {
-      fail_line(describe(list.error()));
-      return 2;
-    }
+    if (!list)
+      return list.error();
     co.job_config = std::move(*list);
     if (cfg->train.device == "cuda" && !env_string("NCCL_HOSTID")) {
       const auto gpus = kernels::query_accelerators().devices.size();
@@ -409,10 +450,8 @@ int run_launch(const job_options& job) {
                    job.world_size, gpus);
     }
     auto p = chaos::parse_plan(job.supervise.chaos, job.world_size);
-    if (!p) {
-      fail_line(describe(p.error()));
-      return 2;
-    }
+    if (!p)
+      return p.error();
     plan = std::move(*p);
     const auto& sv = job.supervise;
     if (sv.chaos_kills > 0 || sv.chaos_faults > 0 || sv.chaos_stops > 0 || sv.chaos_hangs > 0) {
@@ -433,7 +472,20 @@ int run_launch(const job_options& job) {
                        [](auto& a, auto& b) { return a.at_step < b.at_step; });
     }
   }
-  coordinator coord(co);
+  return ls;
+}
+
+/// One attempt of a launched job: a coordinator, its supervisor and the
+/// workers, until the job ends. `resumable`: it ended because no epoch can
+/// form (every replica group lost), which a restart of every worker from
+/// the checkpoints repairs; with `may_resume` that is said as a line, not
+/// as the job's error.
+int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bool& resumable) {
+  const auto& plan = ls.plan;
+  const uint64_t target = ls.target;
+  const bool own_nccl_hosts = ls.own_nccl_hosts;
+  size_t& next_action = ls.next_action;
+  coordinator coord(ls.co);
   std::unique_ptr<actors::supervisor> sup;
   if (job.job == "train") {
     auto sp = make_supervisor(coord, job, target);
@@ -449,7 +501,10 @@ int run_launch(const job_options& job) {
   }
   auto address = fmt::format("127.0.0.1:{}", coord.port());
   fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);
-  if (!plan.empty())
+  if (sup && ls.job_restarts > 0)
+    sup->note("job_restart", {{"restart", uint64_t{ls.job_restarts}},
+                              {"resume", job.supervise.durable.resume}});
+  if (!plan.empty() && ls.job_restarts == 0)
     fmt::print("cmesh: chaos plan {} (seed {})\n", chaos::to_string(plan), job.supervise.chaos_seed);
   if (std::any_of(plan.begin(), plan.end(),
                   [](auto& a) { return a.kind == chaos::action_kind::hang; }))
@@ -458,7 +513,7 @@ int run_launch(const job_options& job) {
                job.supervise.step_timeout_ms);
   auto exe = self_exe_dir() + "/cmesh";
   std::vector<child_process> workers(job.world_size);
-  auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = ls.t0;
   auto secs_since_start = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
@@ -491,7 +546,6 @@ int run_launch(const job_options& job) {
     std::vector<std::optional<clock::time_point>> restart_at(job.world_size);
     std::vector<bool> exited_ok(job.world_size, false);
     std::vector<std::pair<clock::time_point, uint32_t>> to_continue; // SIGCONT due
-    size_t next_action = 0;
     std::vector<bool> signalled_down(job.world_size, false); // killed or stopped by chaos
     auto signal_rank = [&](uint32_t r, int sig, const char* name, uint64_t step) {
       if (!workers[r].running())
@@ -532,7 +586,13 @@ int run_launch(const job_options& job) {
             n += k == per_group ? 1 : 0;
           return n;
         };
-        if (a.kind == chaos::action_kind::kill_source) {
+        if (a.kind == chaos::action_kind::kill_all) {
+          for (uint32_t r = 0; r < workers.size(); ++r)
+            signal_rank(r, SIGKILL, "SIGKILL (kill-all)", v.max_member_step);
+        } else if (a.kind == chaos::action_kind::corrupt) {
+          sup->note("chaos", {{"action", std::string("corrupt")}, {"step", v.max_member_step},
+                              {"what", corrupt_newest_checkpoint(job.supervise.durable)}});
+        } else if (a.kind == chaos::action_kind::kill_source) {
           // Waits for a catch-up to run whose source is not the last live member.
           if (!v.catchup_source || others_live(*v.catchup_source) == 0)
             break;
@@ -650,8 +710,10 @@ int run_launch(const job_options& job) {
     sup->stop();
   coord.stop();
   print_recovery(sup.get());
+  resumable = !out.ok && out.no_epoch;
   if (!out.ok) {
-    fail_line(out.reason);
+    if (!resumable || !may_resume) // else the supervisor said it, and the job restarts
+      fail_line(out.reason);
     return 1;
   }
   fmt::print("cmesh: {} workers done in {:.2f} s{}\n", job.world_size, secs_since_start(),
@@ -659,6 +721,30 @@ int run_launch(const job_options& job) {
   if (job.job == "train" && !out.done.empty())
     fmt::print("cmesh: summary: {}\n", out.done.begin()->second);
   return rc;
+}
+
+} // namespace
+
+int run_launch(const job_options& job) {
+  auto ls = prepare_launch(job);
+  if (!ls) {
+    fail_line(describe(ls.error()));
+    return 2;
+  }
+  job_options attempt = job;
+  for (;;) {
+    const bool may_resume = job.job == "train" && job.supervise.durable.writes()
+                            && ls->job_restarts < job.supervise.max_restarts;
+    bool resumable = false;
+    const int rc = launch_attempt(attempt, *ls, may_resume, resumable);
+    if (!resumable || !may_resume)
+      return rc;
+    ++ls->job_restarts;
+    fmt::print("cmesh: every worker restarts from the newest checkpoint (job restart {} of {})\n",
+               ls->job_restarts, job.supervise.max_restarts);
+    std::fflush(stdout);
+    attempt.supervise.durable.resume = "latest";
+  }
 }
 
 } // namespace cmesh::cli

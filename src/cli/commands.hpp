@@ -22,6 +22,7 @@ struct supervise_flags {
   int catchup_nice = 0;              // worker: nice added to its catch-up threads
   bool shadow = false;               // worker: a checkpoint shadow of its shard
   bool shadow_check = false;         // worker: ... compared with the trainer every step
+  durable_flags durable;             // worker: checkpoints written and resumed from
   int64_t restart_delay_ms = 1000;  // launch: before a dead worker is restarted
   uint32_t max_restarts = 3;        // launch: per rank
   std::string chaos;                // launch: a chaos plan (chaos/plan.hpp)

@@ -61,6 +61,26 @@ int main(int argc, char** argv) {
     cmd->add_flag("--shadow-check", job.supervise.shadow_check,
                   "--shadow, and compare the shadow with the trainer's state after every step "
                   "(costs a hash of the state per step on both sides)");
+    auto& d = job.supervise.durable;
+    cmd->add_option("--checkpoint-dir", d.dir,
+                    "write checkpoints here from the shadow (turns it on), every "
+                    "--checkpoint-every steps and at the last step; one replica group writes "
+                    "each, every rank of it its shard, so all ranks of a group must see the "
+                    "directory");
+    cmd->add_option("--checkpoint-shared", d.shared,
+                    "a second tier (a parallel file system or an object-store mount): each "
+                    "checkpoint is written here too, after the local one");
+    cmd->add_option("--checkpoint-every", d.every, "steps between checkpoints (0: the last only)")
+      ->capture_default_str();
+    cmd->add_option("--checkpoint-keep", d.keep_last, "retention: the newest N checkpoints")
+      ->capture_default_str()->check(CLI::Range(size_t{1}, size_t{1000000}));
+    cmd->add_option("--checkpoint-keep-every", d.keep_every,
+                    "retention: also every checkpoint of a multiple of M steps (0: none)")
+      ->capture_default_str();
+    cmd->add_option("--resume", d.resume,
+                    "start from a checkpoint: a step directory, a directory of checkpoints (its "
+                    "newest valid one), or latest (the newest valid one of --checkpoint-dir and "
+                    "--checkpoint-shared; none yet: step 0); at any layout");
     cmd->add_option("--catchup-nice", job.supervise.catchup_nice,
                     "nice value added to the threads serving or receiving a catch-up, so that "
                     "on a shared host it takes idle cores rather than the survivors' (0: off)")

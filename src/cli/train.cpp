@@ -106,18 +106,39 @@ void print_shadow(uint32_t rank, actors::shadow_feed& feed, const actors::train_
     fmt::print("cmesh: rank {} shadow unavailable: {}\n", rank, describe(s.error()));
   } else {
     fmt::print("cmesh: rank {} shadow step={} state={:016x} trainer_step={} trainer_state={:016x} "
-               "applied={} seeds={} dropped={} checked={} mismatches={}\n",
+               "applied={} seeds={} dropped={} checked={} mismatches={} written={} "
+               "write_failures={} write_skipped={} last_written={}\n",
                rank, s->step, s->state_hash, r.steps, r.state_hash, s->applied, s->seeds,
-               feed.dropped(), s->checked, s->mismatches);
+               feed.dropped(), s->checked, s->mismatches, s->written, s->write_failures,
+               s->write_skipped, s->last_written);
   }
   std::fflush(stdout);
+}
+
+/// Where and when this rank's shadow writes.
+actors::checkpoint_target target_of(const shadow_flags& f, model::model& net,
+                                    uint32_t rank, size_t replicas, size_t per_group) {
+  actors::checkpoint_target t;
+  t.roots = f.durable.roots();
+  t.every = f.durable.every;
+  t.keep_last = f.durable.keep_last;
+  t.keep_every = f.durable.keep_every;
+  t.rank = rank;
+  t.replicas = static_cast<uint32_t>(replicas);
+  t.ranks_per_group = static_cast<uint32_t>(per_group);
+  t.elements = net.parameters().size();
+  for (const auto& ti : net.tensors())
+    t.tensors.push_back({ti.name, {ti.shape.begin(), ti.shape.end()}, ti.offset, ti.size});
+  t.config = f.config;
+  t.resumed_from = f.resume ? f.resume->ckpt->step() : 0;
+  return t;
 }
 
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout, std::chrono::milliseconds step_timeout,
-                           int catchup_nice, shadow_flags shadow) {
+                           int catchup_nice, const shadow_flags& shadow) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
   const auto size = static_cast<size_t>(j.place.world_size);
   auto report_failure = [&](const caf::error& e) {
@@ -186,16 +207,30 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   caf::actor_system_config sys_cfg;
   tune_actor_system(sys_cfg, 1);
   caf::actor_system sys{sys_cfg};
-  std::unique_ptr<actors::shadow_feed> feed;
-  if (shadow.on) {
-    feed = std::make_unique<actors::shadow_feed>(
-      sys, actors::shadow_options{config.train, 8, shadow.check});
-    opts.listener = feed.get();
+  if (shadow.resume) {
+    const auto& c = *shadow.resume->ckpt;
+    opts.load = loader_of(shadow.resume->ckpt);
+    if (rank == 0)
+      fmt::print("cmesh: resuming from {} (step {}, written by {} replica group(s) x {} "
+                 "rank(s)){}\n",
+                 c.dir(), c.step(), c.info().meta.replicas, c.info().meta.ranks_per_group,
+                 shadow.resume->note.empty() ? "" : "; " + shadow.resume->note);
   }
+  // The shadow is made beside the model, which names its tensors.
+  std::unique_ptr<actors::shadow_feed> feed;
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto* sup = &agent;
-  spawn_blocking(sys, [done, opts, data = *data, sup, rank](caf::blocking_actor*) {
+  auto make_feed = [&](model::model& net) {
+    if (!shadow.on && !shadow.durable.writes())
+      return;
+    actors::shadow_options so{config.train, 8, shadow.check, {}};
+    if (shadow.durable.writes())
+      so.target = target_of(shadow, net, rank, replicas, size / replicas);
+    feed = std::make_unique<actors::shadow_feed>(sys, std::move(so));
+  };
+  spawn_blocking(sys, [done, opts, data = *data, sup, rank, &make_feed,
+                       &feed](caf::blocking_actor*) mutable {
     const auto& d = opts.config.train.device;
     const auto where = d == "cuda"       ? model::compute_device::cuda
                        : d == "emulated" ? model::compute_device::emulated
@@ -205,6 +240,8 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
       done->set_value(net.error());
       return;
     }
+    make_feed(**net);
+    opts.listener = feed.get();
     actors::trainer t(opts, std::move(*net), data, *sup, rank);
     done->set_value(t.run());
   });
@@ -243,6 +280,11 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                               result->steps, result->final_loss, result->tokens_per_s,
                               result->seconds, result->weights_xxh64),
                   mono_ns()});
+  if (feed && shadow.durable.writes()) {
+    // The last step's checkpoint is on disk before the rank says it is done.
+    if (auto s = feed->drain(result->steps, timeout); !s)
+      spdlog::error("rank {}: {}", rank, describe(s.error()));
+  }
   print_stats(rank, *step_ms_total, result->verify_ms);
   if (feed)
     print_shadow(rank, *feed, *result);

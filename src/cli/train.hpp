@@ -2,6 +2,7 @@
 // workload under HSDP, with a progress line every log_every steps.
 #pragma once
 
+#include "cli/durable.hpp"
 #include "model/config.hpp"
 #include "transport/join.hpp"
 
@@ -50,10 +51,14 @@ inline size_t ranks_per_group(const train_flags& f, size_t world_size) {
   return world_size / replica_groups(f, world_size);
 }
 
-/// The checkpoint shadow of a worker (actors/checkpoint.hpp).
+/// The checkpoint shadow of a worker (actors/checkpoint.hpp), what it
+/// writes, and where the run resumes from (cli/durable.hpp).
 struct shadow_flags {
   bool on = false;
   bool check = false; // compared with the trainer's state after every step
+  durable_flags durable;
+  config_list config;               // the job's: written into each checkpoint
+  std::optional<resume_point> resume; // found by find_resume before the mesh joined
 };
 
 /// Runs the trainer of this rank on a joined mesh with a config from
@@ -64,7 +69,7 @@ struct shadow_flags {
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
                            std::chrono::seconds timeout,
                            std::chrono::milliseconds step_timeout = std::chrono::milliseconds(0),
-                           int catchup_nice = 0, shadow_flags shadow = {});
+                           int catchup_nice = 0, const shadow_flags& shadow = {});
 
 /// Exit code of a worker fenced out of the job (it may be restarted).
 constexpr int exit_fenced = 4;

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 using namespace cmesh;
 using namespace cmesh::storage;
@@ -308,11 +309,20 @@ TEST_CASE("storage: a writer dropped or failing before commit leaves nothing beh
     REQUIRE(kept);
     CHECK(kept->empty());
     CHECK(std::filesystem::exists(partial));
-    // A second writer of the same step in this process would share the
-    // name: refused, and the first one's files stay.
-    auto twin = checkpoint_writer::begin(root.path(), make_sample(20).meta, s.arrays, s.tensors);
-    REQUIRE_FALSE(twin);
-    CHECK(contains(describe(twin.error()), "step 20 is already being written"));
+    // A second writer of the same step in this process takes a name of
+    // its own (never the first one's directory for a leftover): the first
+    // one's files stay, and each goes with its writer.
+    std::string twin_partial;
+    {
+      auto twin =
+        checkpoint_writer::begin(root.path(), make_sample(20).meta, s.arrays, s.tensors);
+      REQUIRE(twin);
+      twin_partial = twin->partial_dir();
+      CHECK(twin_partial == root / "step-000000020.partial-" + std::to_string(::getpid()) + ".1@"
+                              + this_host());
+      CHECK(std::filesystem::exists(partial + "/shard-0.bin"));
+    }
+    CHECK_FALSE(std::filesystem::exists(twin_partial));
     CHECK(std::filesystem::exists(partial + "/shard-0.bin"));
   }
   CHECK_FALSE(std::filesystem::exists(partial));

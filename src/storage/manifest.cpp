@@ -110,7 +110,7 @@ namespace {
 bool plain_file_name(std::string_view name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string_view::npos
          && name.find('\0') == std::string_view::npos && name != manifest_file
-         && name != manifest_temp_file;
+         && name != manifest_temp_file && name != part_file && name != part_temp_file;
 }
 
 caf::error check_arrays_and_files(const manifest& m, const std::string& path) {
@@ -208,12 +208,11 @@ const piece_entry* first_gap_or_overlap(std::vector<const piece_entry*>& ps, uin
   return nullptr;
 }
 
+/// The pieces of each array cover it exactly once.
 caf::error check_coverage(const manifest& m, const std::string& path) {
-  std::vector<std::vector<const piece_entry*>> by_array(m.arrays.size()), by_file(m.files.size());
-  for (const auto& p : m.pieces) {
+  std::vector<std::vector<const piece_entry*>> by_array(m.arrays.size());
+  for (const auto& p : m.pieces)
     by_array[p.array].push_back(&p);
-    by_file[p.file].push_back(&p);
-  }
   uint64_t at = 0;
   for (size_t i = 0; i < m.arrays.size(); ++i) {
     auto* bad = first_gap_or_overlap(
@@ -224,7 +223,14 @@ caf::error check_coverage(const manifest& m, const std::string& path) {
                                        "exactly once (at element {})",
                                        m.arrays[i].name, m.arrays[i].elements, at));
   }
-  // Pieces of one file must not share bytes; gaps (alignment) are fine.
+  return {};
+}
+
+/// Pieces of one file must not share bytes; gaps (alignment) are fine.
+caf::error check_file_overlap(const manifest& m, const std::string& path) {
+  std::vector<std::vector<const piece_entry*>> by_file(m.files.size());
+  for (const auto& p : m.pieces)
+    by_file[p.file].push_back(&p);
   for (size_t i = 0; i < m.files.size(); ++i) {
     auto& ps = by_file[i];
     std::sort(ps.begin(), ps.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
@@ -245,13 +251,24 @@ caf::error validate_layout(const manifest& m, const std::string& path) {
   return check_tensors(m, path);
 }
 
+caf::error validate_part(const manifest& m, const std::string& path) {
+  if (auto err = validate_layout(m, path))
+    return err;
+  for (const auto& p : m.pieces)
+    if (auto err = check_piece(m, p, path))
+      return err;
+  return check_file_overlap(m, path);
+}
+
 caf::error validate(const manifest& m, const std::string& path) {
   if (auto err = validate_layout(m, path))
     return err;
   for (const auto& p : m.pieces)
     if (auto err = check_piece(m, p, path))
       return err;
-  if (auto err = check_coverage(m, path))
+  if (auto err = check_coverage(m, path)) // first: a piece held twice is "not exactly once"
+    return err;
+  if (auto err = check_file_overlap(m, path))
     return err;
   if (config_digest(m.meta.config) != m.config_digest)
     return corrupt(path, fmt::format("config digest {:016x} is not that of its config ({:016x})",

@@ -129,6 +129,12 @@ caf::error validate(const manifest& m, const std::string& path);
 /// names, tensors (what a writer checks before it writes anything).
 caf::error validate_layout(const manifest& m, const std::string& path);
 
+/// validate() but for the arrays' coverage and the config digest: the
+/// layout, and each piece consistent with it and its file, no two pieces
+/// of a file sharing bytes. What a part (some shards of a checkpoint,
+/// published for a committer) must pass before its pieces are taken.
+caf::error validate_part(const manifest& m, const std::string& path);
+
 /// "tensor layer0.w1 (weights)" or "elements [0, 4096) of adam_m": what a
 /// piece holds, for errors.
 std::string describe_piece(const manifest& m, const piece_entry& p);

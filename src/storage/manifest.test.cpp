@@ -60,6 +60,23 @@ TEST_CASE("storage: step directory names sort like steps, and partial ones are n
   CHECK_FALSE(parse_partial_dir("step-000000123"));
   CHECK_FALSE(parse_partial_dir("step-000000123.partial-x@h"));
   CHECK_FALSE(parse_partial_dir("step-000000123.partial-12"));
+  // The second and later writers of a step in one process: a number of their own.
+  auto second = partial_dir_name(123, 4242, "node7.example", 2);
+  CHECK(second == "step-000000123.partial-4242.2@node7.example");
+  auto second_owner = parse_partial_dir(second);
+  REQUIRE(second_owner);
+  CHECK(second_owner->step == 123);
+  CHECK(second_owner->pid == 4242);
+  CHECK(second_owner->writer == 2);
+  CHECK(second_owner->host == "node7.example");
+  CHECK(owner->writer == 0);
+  CHECK(partial_dir_name(123, 4242, "h", 0) == "step-000000123.partial-4242@h");
+  for (auto bad : {"step-000000123.partial-12.@h", "step-000000123.partial-12.x@h",
+                   "step-000000123.partial-.3@h", "step-000000123.partial-12.3.4@h"})
+    CHECK_MESSAGE(!parse_partial_dir(bad), bad);
+  CHECK(parse_shard_file("shard-3.bin") == 3u);
+  for (auto bad : {"shard-.bin", "shard-3", "shard-x.bin", "part.msgpack", "shard-3.bin.tmp"})
+    CHECK_MESSAGE(!parse_shard_file(bad), bad);
 
   // This process is alive; a pid that exited is not; another host's writer
   // cannot be checked, so it is taken for alive.

@@ -39,8 +39,11 @@ std::optional<uint64_t> parse_step_dir(std::string_view name) {
   return whole_number<uint64_t>(name.substr(step_prefix.size()));
 }
 
-std::string partial_dir_name(uint64_t step, int64_t pid, std::string_view host) {
-  return fmt::format("{}{}{}@{}", step_dir_name(step), partial_infix, pid, host);
+std::string partial_dir_name(uint64_t step, int64_t pid, std::string_view host,
+                             uint32_t writer) {
+  if (writer == 0)
+    return fmt::format("{}{}{}@{}", step_dir_name(step), partial_infix, pid, host);
+  return fmt::format("{}{}{}.{}@{}", step_dir_name(step), partial_infix, pid, writer, host);
 }
 
 std::optional<partial_owner> parse_partial_dir(std::string_view name) {
@@ -49,11 +52,15 @@ std::optional<partial_owner> parse_partial_dir(std::string_view name) {
   if (infix == std::string_view::npos || at == std::string_view::npos)
     return std::nullopt;
   auto step = parse_step_dir(name.substr(0, infix));
+  // "<pid>" or "<pid>.<writer>" (the host, after '@', may hold dots itself).
   auto pid_text = name.substr(infix + partial_infix.size(), at - infix - partial_infix.size());
-  auto pid = whole_number<int64_t>(pid_text);
-  if (!step || !pid)
+  auto dot = pid_text.find('.');
+  auto pid = whole_number<int64_t>(pid_text.substr(0, dot));
+  auto writer = dot == std::string_view::npos ? std::optional<uint32_t>(0)
+                                              : whole_number<uint32_t>(pid_text.substr(dot + 1));
+  if (!step || !pid || !writer)
     return std::nullopt;
-  return partial_owner{*step, *pid, std::string(name.substr(at + 1))};
+  return partial_owner{*step, *pid, std::string(name.substr(at + 1)), *writer};
 }
 
 std::string this_host() {
@@ -74,6 +81,15 @@ bool writer_alive(const partial_owner& owner) {
 
 std::string shard_file_name(uint32_t shard) {
   return fmt::format("shard-{}.bin", shard);
+}
+
+std::optional<uint32_t> parse_shard_file(std::string_view name) {
+  constexpr std::string_view prefix = "shard-", suffix = ".bin";
+  if (!name.starts_with(prefix) || !name.ends_with(suffix)
+      || name.size() <= prefix.size() + suffix.size())
+    return std::nullopt;
+  return whole_number<uint32_t>(name.substr(prefix.size(),
+                                            name.size() - prefix.size() - suffix.size()));
 }
 
 } // namespace cmesh::storage

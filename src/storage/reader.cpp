@@ -230,7 +230,15 @@ caf::error checkpoint::verify() const {
 }
 
 caf::error checkpoint::check_config(const config_list& job) const {
-  auto diffs = config_differences(job, m_.meta.config);
+  // The layout is not compared: a checkpoint is read at any R x S.
+  auto without_layout = [](const config_list& c) {
+    config_list out;
+    for (const auto& kv : c)
+      if (!kv.first.starts_with("layout."))
+        out.push_back(kv);
+    return out;
+  };
+  auto diffs = config_differences(without_layout(job), without_layout(m_.meta.config));
   if (diffs.empty())
     return {};
   return make_error(errc::invalid_argument,

@@ -57,7 +57,8 @@ public:
 
   /// invalid_argument "checkpoint step N was written with another
   /// configuration: KEY = ITS (the job's: YOURS); ..." unless the
-  /// checkpoint's configuration is `job`'s.
+  /// checkpoint's configuration is `job`'s, but for the layout.* keys (a
+  /// checkpoint is read at any layout: resharding).
   caf::error check_config(const config_list& job) const;
 
 private:

@@ -1,0 +1,57 @@
+// Durable training on the command line: where the checkpoint shadow writes
+// (--checkpoint-dir, --checkpoint-shared, --checkpoint-every, retention)
+// and where a run resumes from (--resume DIR|latest). docs/design.md,
+// Storage.
+#pragma once
+
+#include "actors/checkpoint.hpp"
+#include "actors/trainer.hpp"
+#include "core/job_config.hpp"
+#include "storage/reader.hpp"
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace cmesh::cli {
+
+struct durable_flags {
+  std::string dir;        // --checkpoint-dir: the local tier (turns the shadow on)
+  std::string shared;     // --checkpoint-shared: the shared tier
+  uint64_t every = 50;    // --checkpoint-every: steps between checkpoints
+  size_t keep_last = 3;   // --checkpoint-keep
+  uint64_t keep_every = 0; // --checkpoint-keep-every
+  std::string resume;     // --resume: "", a directory, or "latest"
+  bool writes() const { return !dir.empty() || !shared.empty(); }
+  /// The tiers, in order.
+  std::vector<std::string> roots() const;
+};
+
+/// A checkpoint to resume from, opened and verified.
+struct resume_point {
+  std::shared_ptr<const storage::checkpoint> ckpt;
+  std::string note; // newer checkpoints passed over, and why (empty: none)
+};
+
+/// Where --resume points: "latest" takes the newest valid checkpoint of the
+/// tiers (none at all: nullopt, the run starts at step 0); a directory is a
+/// step directory, or a root whose newest valid checkpoint is taken. Every
+/// piece is verified and the configuration compared with `job` (all but
+/// the layout: a checkpoint is read at any R x S). Errors: corrupt,
+/// invalid_argument (another configuration, a directory with no
+/// checkpoint, "latest" without a tier), unreachable.
+expected<std::optional<resume_point>> find_resume(const durable_flags& f, const config_list& job);
+
+/// Reads this rank's shard of a checkpoint into the trainer's state (for
+/// trainer_options::load): the three arrays from `first`, the loss scale
+/// and the step.
+std::function<caf::error(actors::train_state&, size_t)>
+loader_of(std::shared_ptr<const storage::checkpoint> ckpt);
+
+/// Chaos (corrupt@STEP): flips one byte in the middle of shard-0.bin of
+/// the newest checkpoint of the first tier, as a bad disk would. Returns
+/// what it did, or why it did nothing.
+std::string corrupt_newest_checkpoint(const durable_flags& f);
+
+} // namespace cmesh::cli
