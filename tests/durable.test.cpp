@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 
 using namespace cmesh;
 using namespace cmesh::testing;
@@ -77,8 +78,12 @@ TEST_CASE("2x2: SIGKILL every worker at once; the launcher resumes them from the
   scratch s("killall");
   const auto events = s.dir + "/events.jsonl";
   std::filesystem::create_directories(s.dir);
+  // Then one rank after the resume: its replacement catches up from the
+  // live group rather than reading the checkpoint.
   auto r = launch("-n 4 --replicas 2 --checkpoint-dir " + s.dir
-                  + "/ckpt --checkpoint-every 10 --chaos kill-all@25 --events " + events);
+                  + "/ckpt --checkpoint-every 10 --restart-delay-ms 200 --chaos "
+                    "kill-all@25,kill@28:1 --events "
+                  + events);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   CHECK(has(r.output, "SIGKILL (kill-all) rank 3"));
@@ -86,11 +91,19 @@ TEST_CASE("2x2: SIGKILL every worker at once; the launcher resumes them from the
   auto resumed = captures(r.output, "resuming from [^ ]+ \\(step ([0-9]+)");
   REQUIRE(resumed.size() == 1);
   CHECK((resumed[0] == "10" || resumed[0] == "20")); // the newest on disk at the kill
-  check_identical(r, 4);
-  // Every step of it in the event log: the failure, the job's restart.
+  // The replaced group rejoins, or is left behind when the others finish
+  // first: either way every rank that finished holds the same weights.
+  auto ws = done_weights(r.output, steps);
+  CHECK((ws.size() == 2 || ws.size() == 4));
+  for (auto& w : ws)
+    CHECK(w == reference_weights());
+  // Every step of it in the event log: the failure, the job's restart,
+  // the replacement's catch-up.
   auto log = slurp(events);
   CHECK(has(log, "\"event\":\"failed\""));
   CHECK(has(log, "\"event\":\"job_restart\""));
+  CHECK(has(log, "\"event\":\"catchup_start\""));
+  CHECK(has(r.output, "SIGKILL rank 1"));
   // Retention kept the newest three, the last step's among them.
   auto on_disk = steps_in(s.dir + "/ckpt");
   CHECK(on_disk.size() <= 3);
@@ -196,4 +209,42 @@ TEST_CASE("--resume of a bad checkpoint: a clear error naming what is wrong, not
     CHECK(e.exit_code == 1);
     CHECK(has(e.output, "no checkpoint there"));
   }
+}
+
+TEST_CASE("the disk filling up under training: each failed write is said, training goes on, the "
+          "checkpoint before stays valid, the shared tier gets every one") {
+  scratch s("full");
+  const auto local = s.dir + "/local", shared = s.dir + "/shared", out = s.dir + "/out";
+  std::filesystem::create_directories(local);
+  const auto cmesh = bin_dir() + "/cmesh";
+  // A 3 MiB tmpfs in a mount namespace of the job's own: the first
+  // checkpoint (2.2 MB) fits, the next does not.
+  const auto job = cmesh + " launch -n 2 --exact --steps " + std::to_string(steps)
+                   + " --log-every 10 --checkpoint-dir " + local + " --checkpoint-shared "
+                   + shared + " --checkpoint-every 10 --checkpoint-keep 5";
+  const auto script = "mount --make-rprivate / && mount -t tmpfs -o size=3m tmpfs " + local
+                      + " || { echo 'SKIP: no tmpfs mount here'; exit 77; }; " + job
+                      + "; rc=\\$?; echo launch exit \\$rc; " + cmesh + " checkpoint verify "
+                      + local + "; exit \\$rc";
+  auto c = child_process::spawn(
+    "/bin/sh", {"-c", "unshare -m sh -c \"" + script + "\" >" + out + " 2>&1"}, {});
+  REQUIRE(c.pid() > 0);
+  auto st = c.wait(300s);
+  REQUIRE(st.has_value());
+  const auto output = slurp(out);
+  INFO(output);
+  if (exit_code_of(*st) == 77 || has(output, "unshare: ")) {
+    MESSAGE("skipped: a tmpfs in a mount namespace of its own is not permitted here");
+    return;
+  }
+  REQUIRE(exit_code_of(*st) == 0);
+  CHECK(has(output, "checkpoint: step 10 written to " + local + "/step-000000010"));
+  CHECK(has(output, "could not write step 20 to " + local));
+  CHECK(has(output, "No space left on device"));
+  // The one that fitted verifies; no partial directory was left behind.
+  CHECK(std::regex_search(output, std::regex("step-000000010 .* ok \\(verified\\)")));
+  CHECK(!has(output, "partial:"));
+  run_result r{0, output, {}};
+  check_identical(r, 2);
+  CHECK(steps_in(shared) == std::vector<uint64_t>{10, 20, 30, 40});
 }

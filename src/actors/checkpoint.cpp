@@ -83,13 +83,13 @@ caf::behavior disk_actor(caf::event_based_actor*, checkpoint_target t) {
   return {
     [=](write_atom, uint64_t step, const std::vector<float>& p, const std::vector<float>& m,
         const std::vector<float>& v, const std::vector<float>& sc) {
+      // Each tier on its own: a full local disk still leaves the shared copy.
       std::string failure;
       for (const auto& root : t.roots) {
         if (auto e = write_shard_checkpoint(t, root, step, p, m, v, sc)) {
-          failure = describe(e);
+          failure += (failure.empty() ? "" : "; ") + describe(e);
           spdlog::error("checkpoint: rank {} could not write step {} to {}: {}", t.rank, step,
-                        root, failure);
-          break; // a later tier is a copy of the earlier one
+                        root, describe(e));
         }
       }
       return caf::make_message(written_atom::value, step, failure);

@@ -23,7 +23,7 @@
 // multiple of `every`, or the run's last step, it copies its state and
 // hands the copy to a disk actor of its own (a detached CAF actor: its
 // blocking I/O takes no scheduler thread), which writes it through the
-// tiers in order: the local directory, then the shared one. One replica
+// tiers in order, each on its own: the local directory, then the shared one. One replica
 // group writes each checkpoint, the lowest of the epoch's members: each of
 // its S ranks writes its shard (storage's part protocol), and position 0
 // adopts the others' parts, commits the manifest and applies retention. A
@@ -59,7 +59,7 @@ struct shadow_status {
   uint64_t checked = 0;    // updates whose result was compared with the trainer's
   uint64_t mismatches = 0; // ... and differed
   uint64_t written = 0;    // checkpoints (this rank's shard of them) written, every tier
-  uint64_t write_failures = 0;
+  uint64_t write_failures = 0; // checkpoints some tier of which failed
   uint64_t write_skipped = 0; // replaced, while waiting for a write, by a newer one
   uint64_t last_written = 0;  // the step of the newest one written
   bool writing = false;       // a write is in flight or waiting

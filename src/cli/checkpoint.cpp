@@ -71,10 +71,15 @@ int print_list(const std::string& root, bool verify_data) {
       ++invalid;
     }
   }
-  for (const auto& p : *partials)
-    fmt::print("{}  partial: an unfinished write by pid {} on {} ({})\n",
-               std::filesystem::path(p.dir).filename().string(), p.owner.pid, p.owner.host,
+  for (const auto& p : *partials) {
+    // A published part (storage's part protocol) waits for its committer.
+    const bool part = std::filesystem::exists(p.dir + "/" + std::string(storage::part_file));
+    fmt::print("{}  partial: {} by pid {} on {} ({})\n",
+               std::filesystem::path(p.dir).filename().string(),
+               part ? "a shard's part, published for the committer to adopt" : "an unfinished write",
+               p.owner.pid, p.owner.host,
                p.writer_alive ? "running, or on another host" : "gone: cleanup removes it");
+  }
   if (invalid > 0 && verify_data)
     fmt::print(stderr, "cmesh: error: {} of the {} checkpoints in {} {} not valid\n", invalid,
                list->size(), root, invalid == 1 ? "is" : "are");

@@ -517,7 +517,11 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
   auto secs_since_start = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  auto start_worker = [&](uint32_t r) -> bool {
+  // A worker restarted while the job trains (`replacing`) catches up from
+  // a live peer; only the attempt's first workers resume from a checkpoint.
+  job_options replacement = job;
+  replacement.supervise.durable.resume.clear();
+  auto start_worker = [&](uint32_t r, bool replacing) -> bool {
     std::string err;
     std::vector<std::pair<std::string, std::string>> env{
       {"CMESH_COORDINATOR", address},
@@ -526,7 +530,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       {"CMESH_LOCAL_RANK", std::to_string(r)}};
     if (own_nccl_hosts)
       env.emplace_back("NCCL_HOSTID", fmt::format("cmesh-{}-rank{}", ::getpid(), r));
-    workers[r] = child_process::spawn(exe, worker_args(job), env, &err);
+    workers[r] = child_process::spawn(exe, worker_args(replacing ? replacement : job), env, &err);
     if (workers[r].pid() < 0) {
       fail_line("cannot start worker: " + err);
       return false;
@@ -536,7 +540,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
     return true;
   };
   for (uint32_t r = 0; r < job.world_size; ++r)
-    if (!start_worker(r))
+    if (!start_worker(r, false))
       return 3;
 
   job_outcome out;
@@ -644,7 +648,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
           std::fflush(stdout);
           sup->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
           signalled_down[r] = false;
-          if (!start_worker(r))
+          if (!start_worker(r, true))
             return "cannot restart a worker";
         }
         if (workers[r].running()) {
