@@ -19,8 +19,16 @@
 //  4. bf16 activations against fp32 ones (--activations-only alone).
 //  5. Replica verification: the step time with --verify-every off, at its
 //     default and at every step (--verify-only alone).
+//  6. Durable checkpointing (--durable-only alone; not in the default run,
+//     it takes minutes): at 2x1, on the default model and on one of 26.5 M
+//     parameters (a temporary config), the step time with the checkpoint
+//     shadow off, on (--shadow), writing to a local tier (--checkpoint-dir)
+//     and to a shared one too (--checkpoint-shared), with the checkpoints
+//     written and skipped; then a checkpoint's bytes on disk and the start
+//     of a run resumed from it against a fresh one and a read(2) of the bytes.
 //
 //   cmesh_bench_train [--steps N] [--warmup N] [--quick] [--activations-only] [--verify-only]
+//                     [--durable-only]
 #include "actors/trainer.hpp"
 #include "common/launch.hpp"
 #include "core/env.hpp"
@@ -36,6 +44,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fcntl.h>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -336,11 +346,365 @@ bool verify_table(int steps, int warmup, bool quick) {
   return ran;
 }
 
+// 6. Durable checkpointing (--durable-only alone): the step time at 2x1
+// with the checkpoint shadow and its writes on against off, on the default
+// model and on one of about 26 M parameters, variants interleaved round by
+// round; then each model's checkpoint on disk and what resuming from it
+// costs at the start of a run.
+
+double median_of(std::vector<double> x) {
+  if (x.empty())
+    return NAN;
+  std::sort(x.begin(), x.end());
+  return x[x.size() / 2];
+}
+
+std::string load_average() {
+  std::string a = "?", b, c;
+  if (std::ifstream f("/proc/loadavg"); f)
+    f >> a >> b >> c;
+  return fmt::format("{} {} {}", a, b, c);
+}
+
+struct shadow_counts {
+  uint64_t written = 0, failures = 0, skipped = 0, last = 0;
+};
+
+/// The workers' `cmesh: rank R shadow ...` lines, by rank.
+std::map<int, shadow_counts> shadow_lines(const std::string& output) {
+  std::regex re("cmesh: rank ([0-9]+) shadow .* written=([0-9]+) write_failures=([0-9]+) "
+                "write_skipped=([0-9]+) last_written=([0-9]+)");
+  std::map<int, shadow_counts> out;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (!std::regex_search(line, m, re))
+      continue;
+    out[std::stoi(m[1].str())] = {std::stoull(m[2].str()), std::stoull(m[3].str()),
+                                  std::stoull(m[4].str()), std::stoull(m[5].str())};
+  }
+  return out;
+}
+
+/// The `checkpoint: step N written to ROOT/...` lines: checkpoints one tier got.
+size_t tier_writes(const std::string& output, const std::string& root) {
+  const auto tail = " written to " + root + "/";
+  size_t n = 0;
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);)
+    n += line.find("checkpoint: step ") != std::string::npos
+         && line.find(tail) != std::string::npos;
+  return n;
+}
+
+struct durable_model {
+  std::string name, config; // config: a --config file, or empty (the defaults)
+  size_t params = 0;
+  int steps = 0, warmup = 0, every = 0, rounds = 0;
+  int load_steps = 0, load_every = 0; // the run that writes the checkpoint to resume from
+  std::string args() const { return config.empty() ? "" : " --config " + config; }
+  int due() const { return steps / every + (steps % every != 0); } // the last step's too
+};
+
+enum durable_level { d_off, d_shadow, d_local, d_shared };
+
+struct durable_variant {
+  const char* name;
+  durable_level level;
+  std::vector<double> step_ms, written, skipped; // one of each per run that passed
+};
+
+/// One `cmesh launch` of a variant, in fresh directories removed after it:
+/// its mean step after the warm-up and its shadows' counters, checked.
+bool durable_run(const durable_model& m, durable_variant& v) {
+  static int serial = 0;
+  const auto base = fmt::format("/tmp/cmesh_bench_durable_{}_{}", getpid(), serial++);
+  const auto local = base + "/local", shared = base + "/shared";
+  std::string flags;
+  if (v.level == d_shadow)
+    flags = " --shadow";
+  if (v.level >= d_local)
+    flags = fmt::format(" --checkpoint-dir {} --checkpoint-every {}", local, m.every);
+  if (v.level == d_shared)
+    flags += " --checkpoint-shared " + shared;
+  auto r = launch(fmt::format("-n 2 --steps {} --log-every 1{}{}", m.steps, m.args(), flags));
+  const auto t = summarise(r.steps, m.warmup);
+  const auto sh = shadow_lines(r.output);
+  const size_t local_n = tier_writes(r.output, local), shared_n = tier_writes(r.output, shared);
+  std::error_code ec;
+  std::filesystem::remove_all(base, ec);
+  uint64_t written = 0, skipped = 0, failures = 0, most = 0;
+  for (auto& [rank, c] : sh) {
+    written += c.written, skipped += c.skipped, failures += c.failures;
+    most = std::max(most, c.written);
+  }
+  std::string why;
+  if (r.status != 0)
+    why = fmt::format("exit status {}", r.status);
+  else if (t.steps == 0)
+    why = "no progress lines after the warm-up";
+  else if (v.level != d_off && sh.size() != 2)
+    why = fmt::format("{} shadow line(s), not 2", sh.size());
+  else if (failures > 0)
+    why = fmt::format("{} write failure(s)", failures);
+  else if (v.level >= d_local && (most == 0 || local_n == 0))
+    why = "no checkpoint written";
+  else if (v.level == d_shared && shared_n == 0)
+    why = "no checkpoint written to the shared tier";
+  if (!why.empty()) {
+    fmt::print(stderr, "durable: {}, {}: {}\n", m.name, v.name, why);
+    return false;
+  }
+  v.step_ms.push_back(t.step_ms);
+  v.written.push_back(static_cast<double>(written));
+  v.skipped.push_back(static_cast<double>(skipped));
+  return true;
+}
+
+struct durable_result {
+  bool ran = true;
+  double all_tiers = NAN; // shadow + both tiers against off, percent
+};
+
+/// The rounds of one model's four variants, and its rows of the table.
+durable_result durable_rows(const durable_model& m) {
+  std::vector<durable_variant> vs = {{"off", d_off, {}, {}, {}},
+                                     {"shadow only (--shadow)", d_shadow, {}, {}, {}},
+                                     {"shadow + local tier", d_local, {}, {}, {}},
+                                     {"shadow + local + shared tiers", d_shared, {}, {}, {}}};
+  durable_result res;
+  for (int round = 0; round < m.rounds; ++round)
+    for (auto& v : vs)
+      res.ran = durable_run(m, v) && res.ran;
+  const double off = median_of(vs[0].step_ms);
+  for (auto& v : vs) {
+    const double ms = median_of(v.step_ms);
+    std::string written = "-", skipped = "-";
+    if (v.level >= d_local && !v.written.empty()) {
+      written = fmt::format("{:.0f} / {}", median_of(v.written), m.due());
+      skipped = fmt::format("{:.0f}", median_of(v.skipped));
+    }
+    fmt::print("| {} | {} | {:.1f} | {:+.1f}% | {} | {} | {}/{} |\n", m.name, v.name, ms,
+               100.0 * (ms / off - 1.0), written, skipped, v.step_ms.size(), m.rounds);
+  }
+  res.all_tiers = 100.0 * (median_of(vs[3].step_ms) / off - 1.0);
+  return res;
+}
+
+struct first_step {
+  int status = -1;
+  double start_ms = NAN; // the first progress line's arrival less its step time
+  int step = 0;          // the step that line reports
+  bool resumed = false;  // a `cmesh: resuming from` line came
+};
+
+/// A `cmesh launch` read line by line as it prints: when its first step
+/// began, counted from just before it was started.
+first_step timed_launch(const std::string& args) {
+  const auto cmd = fmt::format("timeout -k 10 {} {}/cmesh launch {} 2>&1", launch_timeout_s,
+                               cmesh::bench::self_dir(), args);
+  std::regex step_re("^step +([0-9]+) .* step +([0-9.]+) ms");
+  first_step f;
+  const auto t0 = cmesh::mono_ns();
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p)
+    return f;
+  char* buf = nullptr;
+  size_t cap = 0;
+  for (ssize_t n; (n = ::getline(&buf, &cap, p)) > 0;) {
+    const double at = static_cast<double>(cmesh::mono_ns() - t0) / 1e6;
+    const std::string line(buf, static_cast<size_t>(n));
+    std::smatch m;
+    if (line.rfind("cmesh: resuming from ", 0) == 0)
+      f.resumed = true;
+    else if (std::isnan(f.start_ms) && std::regex_search(line, m, step_re)) {
+      f.step = std::stoi(m[1].str());
+      f.start_ms = at - std::stod(m[2].str());
+    }
+  }
+  std::free(buf);
+  f.status = ::pclose(p);
+  return f;
+}
+
+/// read(2) of every file of a directory, 8 MiB at a time into one buffer:
+/// milliseconds; `bytes` the bytes read. NAN when a file does not open.
+double read_dir_ms(const std::string& dir, uint64_t& bytes) {
+  std::vector<char> buf(8u << 20);
+  bytes = 0;
+  const auto t0 = cmesh::mono_ns();
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (!e.is_regular_file())
+      continue;
+    const int fd = ::open(e.path().c_str(), O_RDONLY);
+    if (fd < 0)
+      return NAN;
+    for (ssize_t n; (n = ::read(fd, buf.data(), buf.size())) > 0;)
+      bytes += static_cast<uint64_t>(n);
+    ::close(fd);
+  }
+  return static_cast<double>(cmesh::mono_ns() - t0) / 1e6;
+}
+
+/// The oldest step directory under `root` before step `steps` (a resumed
+/// run then has steps to do); empty when there is none.
+std::string oldest_step_dir(const std::string& root, int steps, int& step) {
+  std::string best;
+  step = steps;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    const auto name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step-", 0) != 0)
+      continue;
+    const int s = std::atoi(name.c_str() + 5);
+    if (s > 0 && s < step)
+      step = s, best = e.path().string();
+  }
+  return best;
+}
+
+/// One model's checkpoint: written by a run of `load_steps`, then, round
+/// by round, read here with read(2), resumed from by a run of the same
+/// steps and config, and a fresh run beside it. One row of the table.
+bool load_row(const durable_model& m, int rounds) {
+  const auto root = fmt::format("/tmp/cmesh_bench_durable_{}_load", getpid());
+  const auto same = fmt::format("-n 2 --steps {} --log-every 1{}", m.load_steps, m.args());
+  auto w = launch(fmt::format("{} --checkpoint-dir {} --checkpoint-every {} --checkpoint-keep 100",
+                              same, root, m.load_every));
+  int from = 0;
+  const auto dir = w.status == 0 ? oldest_step_dir(root, m.load_steps, from) : std::string();
+  std::vector<double> read_ms, fresh_ms, resumed_ms;
+  uint64_t bytes = 0;
+  bool ok = !dir.empty();
+  for (int round = 0; ok && round < rounds; ++round) {
+    read_ms.push_back(read_dir_ms(dir, bytes));
+    const auto r = timed_launch(fmt::format("{} --resume {}", same, dir));
+    const auto f = timed_launch(same);
+    ok = r.status == 0 && r.resumed && r.step == from + 1 && f.status == 0 && !f.resumed
+         && f.step == 1 && !std::isnan(read_ms.back());
+    resumed_ms.push_back(r.start_ms);
+    fresh_ms.push_back(f.start_ms);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(root, ec);
+  if (!ok) {
+    fmt::print(stderr, "durable: {}: checkpoint load not measured (writer status {}, step "
+                       "directory '{}')\n", m.name, w.status, dir);
+    fmt::print("| {} | not measured: a run failed | | | | | |\n", m.name);
+    return false;
+  }
+  const double rd = median_of(read_ms), fr = median_of(fresh_ms), rs = median_of(resumed_ms);
+  fmt::print("| {} | {} ({:.1f} MB, step {}) | {:.1f} ({:.2f} GB/s) | {:.0f} | {:.0f} | {:.0f} | "
+             "{:.1f}x |\n", m.name, bytes, static_cast<double>(bytes) / 1e6, from, rd,
+             static_cast<double>(bytes) / (rd * 1e6), fr, rs, rs - fr, (rs - fr) / rd);
+  return true;
+}
+
+/// The config of the larger model: 26.5 M parameters (most of them in 8
+/// experts of 4 layers) and a global batch of 4 x 32 tokens, so that a
+/// step stays near 0.3 s on 2 cores.
+const char* big_model_toml = "[model]\nd_model = 512\ncontext = 4\nlayers = 4\nffn = 1024\n"
+                             "experts = 8\ntop_k = 2\nexpert_ffn = 640\n"
+                             "[train]\nglobal_batch = 4\nmicro_batch = 2\nseq_len = 32\n";
+
+void durable_text(const std::vector<durable_model>& models, const std::vector<double>& all_tiers,
+                  int blas_threads) {
+  fmt::print("\nstep ms: rank 0's mean step (its progress lines) after the warm-up, median of\n"
+             "the rounds; rank 0 is in the group that writes. 'written / due': checkpoints\n"
+             "the shadows wrote in one run (their `written` counters, summed over the\n"
+             "ranks; only group 0 writes, the last step's included, after the measured\n"
+             "steps) against those due; 'skipped': due while the previous write still ran.\n"
+             "Every run exited 0, had both shadow lines and no write failure, and each tier\n"
+             "logged its writes (else it is left out of 'runs' and said on stderr).\n\n");
+  std::string measured;
+  for (size_t i = 0; i < models.size(); ++i)
+    measured += fmt::format("{}{} {:+.1f}%", i ? ", " : "", models[i].name, all_tiers[i]);
+  fmt::print("Goal: with the shadow and both tiers on, training under 1% slower than off\n"
+             "where the shadow has a core of its own. Not the case here: {} cores, 2 trainer\n"
+             "processes of {} OpenBLAS thread(s) each, so each shadow (which applies every\n"
+             "committed update with the optimizer) and its disk actor take time from the\n"
+             "trainers' cores and memory bandwidth. The goal is not tested by this table;\n"
+             "it shows what the shadow and the writes cost when they share the cores.\n"
+             "Shadow + both tiers against off: {}.\n"
+             "For scale, Checkmate (NSDI '24) checkpoints every iteration at the\n"
+             "throughput of no checkpointing (its shadow nodes take the gradients off the\n"
+             "network), and CheckFreq (FAST '21) keeps its overhead at most 3.5%\n"
+             "(pipelined snapshot and persist, the frequency tuned to that bound).\n\n",
+             std::thread::hardware_concurrency(), blas_threads, measured);
+}
+
+void load_text() {
+  fmt::print("\nbytes: the step directory's files (manifest and shard files: fp32 weights\n"
+             "and both AdamW moments). read(2): this process reads them, 8 MiB at a time\n"
+             "into one buffer, right after they were written: from the page cache, not the\n"
+             "disk. Launch to first step: from just before `cmesh launch -n 2` is started\n"
+             "to when rank 0's first step began (its first progress line's arrival, read\n"
+             "through a pipe, less that step's time), fresh against resumed with --resume\n"
+             "<step dir> (same config and steps, not --exact, like the writer); medians.\n"
+             "Load overhead: resumed less fresh, the whole cost of resuming as a run sees\n"
+             "it: each worker checks the checkpoint (reads and hashes every piece) before\n"
+             "joining, then the trainer loads its shard (at 2x1: everything), both ranks at\n"
+             "once on the same cores. 'x read' compares it with one read(2) of the bytes.\n"
+             "On the small model it is within the launch's own variation.\n\n");
+}
+
+bool durable_table(int steps, int warmup, bool quick, int blas_threads) {
+  const auto defaults = cmesh::model::parse_config("");
+  const auto big = cmesh::model::parse_config(big_model_toml);
+  if (!defaults || !big || cmesh::model::validate(*big, 2, 1)) {
+    fmt::print(stderr, "cmesh_bench_train: the durable table's configs do not parse\n");
+    return false;
+  }
+  const auto big_path = fmt::format("/tmp/cmesh_bench_train_durable_{}.toml", getpid());
+  std::ofstream(big_path) << big_model_toml;
+  const auto p0 = cmesh::model::moe_lm_parameter_count(defaults->model);
+  const auto p1 = cmesh::model::moe_lm_parameter_count(big->model);
+  // name, config, params, steps, warm-up, --checkpoint-every, rounds; the
+  // writer of the checkpoint resumed from: its steps and --checkpoint-every.
+  std::vector<durable_model> models = {
+    {fmt::format("default ({:.2f} M params)", static_cast<double>(p0) / 1e6), "", p0, steps,
+     warmup, 10, quick ? 2 : 5, 30, 10},
+    {fmt::format("26M ({:.1f} M params)", static_cast<double>(p1) / 1e6), big_path, p1,
+     quick ? 12 : 20, 6, 4, quick ? 1 : 3, 6, 2}};
+  const auto load_start = load_average();
+  fmt::print("# durable checkpointing at 2x1 (`cmesh launch -n 2`), {} cores, {} OpenBLAS "
+             "thread(s) per process, load average {} at the start\n\n",
+             std::thread::hardware_concurrency(), blas_threads, load_start);
+  for (auto& m : models)
+    fmt::print("- {}: {} steps, warm-up {}, --checkpoint-every {}, {} interleaved "
+               "rounds{}\n", m.name, m.steps, m.warmup, m.every, m.rounds,
+               m.config.empty() ? " (the built-in defaults)"
+                                : "; config: " + std::regex_replace(std::string(big_model_toml),
+                                                                    std::regex("\n"), " "));
+  fmt::print("\n## step time with the checkpoint shadow and its writes, against off\n\n"
+             "| model (params) | variant | step ms | against off | checkpoints written / due "
+             "(per run) | skipped (per run) | runs |\n|---|---|---|---|---|---|---|\n");
+  bool ran = true;
+  std::vector<double> all_tiers;
+  for (auto& m : models) {
+    auto r = durable_rows(m);
+    ran = r.ran && ran;
+    all_tiers.push_back(r.all_tiers);
+  }
+  durable_text(models, all_tiers, blas_threads);
+  const int load_rounds = quick ? 1 : 3;
+  fmt::print("## a checkpoint on disk, and the start of a run resumed from it ({} rounds)\n\n"
+             "| model (params) | bytes of a step directory | read(2) ms (this process) | "
+             "launch to first step, fresh ms | resumed ms | load overhead ms | x read |\n"
+             "|---|---|---|---|---|---|---|\n", load_rounds);
+  for (auto& m : models)
+    ran = load_row(m, load_rounds) && ran;
+  load_text();
+  std::remove(big_path.c_str());
+  fmt::print("Load average {} at the start, {} at the end.\n", load_start, load_average());
+  return ran;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   int steps = 60, warmup = 10;
-  bool quick = false, activations_only = false, verify_only = false;
+  bool quick = false, activations_only = false, verify_only = false, durable_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--steps" && i + 1 < argc)
@@ -353,9 +717,11 @@ int main(int argc, char** argv) {
       activations_only = true;
     else if (a == "--verify-only")
       verify_only = true;
+    else if (a == "--durable-only")
+      durable_only = true;
     else {
       fmt::print(stderr, "usage: cmesh_bench_train [--steps N] [--warmup N] [--quick] "
-                         "[--activations-only] [--verify-only]\n");
+                         "[--activations-only] [--verify-only] [--durable-only]\n");
       return 2;
     }
   }
@@ -372,6 +738,8 @@ int main(int argc, char** argv) {
   }
   if (verify_only)
     return verify_table(steps, warmup, quick) ? 0 : 1;
+  if (durable_only)
+    return durable_table(steps, warmup, quick, blas_threads) ? 0 : 1;
   const auto defaults = cmesh::model::parse_config("");
   if (!defaults) {
     fmt::print(stderr, "cmesh_bench_train: default config: {}\n", cmesh::describe(defaults.error()));

@@ -97,6 +97,39 @@ caf::behavior disk_actor(caf::event_based_actor*, checkpoint_target t) {
   };
 }
 
+} // namespace
+
+/// What a feed and its shadow share: the messages in flight, and the update
+/// buffers the shadow hands back to be filled again (a fresh vector per
+/// step, of the shard's size, would page-fault its way in on the trainer's
+/// thread and be unmapped again on the shadow's).
+struct feed_link {
+  std::atomic<int64_t> in_flight{0};
+  std::mutex mu;
+  std::vector<std::vector<float>> spare;
+  size_t spare_max = 1;
+
+  std::vector<float> copy(std::span<const float> from) {
+    std::vector<float> v;
+    {
+      std::lock_guard lock(mu);
+      if (!spare.empty()) {
+        v = std::move(spare.back());
+        spare.pop_back();
+      }
+    }
+    v.assign(from.begin(), from.end()); // in place when it is large enough
+    return v;
+  }
+  void give_back(std::vector<float>&& v) {
+    std::lock_guard lock(mu);
+    if (spare.size() < spare_max)
+      spare.push_back(std::move(v));
+  }
+};
+
+namespace {
+
 /// A copy of the shard's state at a step, for the disk.
 struct snapshot {
   uint64_t step = 0;
@@ -107,7 +140,7 @@ struct snapshot {
 struct shadow_state {
   static inline const char* name = "checkpoint_shadow";
   model::train_config train;
-  std::shared_ptr<std::atomic<int64_t>> in_flight;
+  std::shared_ptr<feed_link> link;
   std::vector<float> params, adam_m, adam_v, scalars;
   shadow_status st;
   std::optional<checkpoint_target> target;
@@ -173,11 +206,11 @@ void maybe_write(shadow_self* self) {
 }
 
 caf::behavior shadow_actor(shadow_self* self, model::train_config train,
-                           std::shared_ptr<std::atomic<int64_t>> in_flight,
+                           std::shared_ptr<feed_link> link,
                            std::optional<checkpoint_target> target) {
   auto& S0 = self->state;
   S0.train = std::move(train);
-  S0.in_flight = std::move(in_flight);
+  S0.link = std::move(link);
   S0.target = std::move(target);
   if (S0.target) {
     S0.disk = self->spawn<caf::detached + caf::linked>(disk_actor, *S0.target);
@@ -187,7 +220,7 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
     [=](seed_atom, uint64_t step, std::vector<float>& p, std::vector<float>& m,
         std::vector<float>& v, std::vector<float>& sc) {
       auto& S = self->state;
-      S.in_flight->fetch_sub(1, std::memory_order_relaxed);
+      S.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
       S.params = std::move(p);
       S.adam_m = std::move(m);
       S.adam_v = std::move(v);
@@ -197,15 +230,16 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
       ++S.st.seeds;
       maybe_write(self);
     },
-    [=](commit_atom, uint64_t k, const std::vector<float>& update, uint64_t expect) {
+    [=](commit_atom, uint64_t k, std::vector<float>& update, uint64_t expect) {
       auto& S = self->state;
-      S.in_flight->fetch_sub(1, std::memory_order_relaxed);
+      S.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
       if (!S.st.seeded || k != S.st.step || update.size() != S.params.size()) {
         // The feed re-seeds it at the next boundary.
         S.st.seeded = false;
         return;
       }
       apply_committed(S.train, S.view(), k, update);
+      S.link->give_back(std::move(update));
       ++S.st.step;
       ++S.st.applied;
       if (expect != 0) {
@@ -240,8 +274,9 @@ std::vector<float> copy_of(std::span<const float> s) {
 } // namespace
 
 shadow_feed::shadow_feed(caf::actor_system& sys, shadow_options o)
-    : sys_(sys), o_(std::move(o)), in_flight_(std::make_shared<std::atomic<int64_t>>(0)) {
-  shadow_ = sys_.spawn(shadow_actor, o_.train, in_flight_, o_.target);
+    : sys_(sys), o_(std::move(o)), link_(std::make_shared<feed_link>()) {
+  link_->spare_max = o_.queue_max + 1;
+  shadow_ = sys_.spawn(shadow_actor, o_.train, link_, o_.target);
   if (o_.target)
     writer_ = o_.target->rank / std::max<uint32_t>(1, o_.target->ranks_per_group) == 0;
   caf::anon_send(shadow_, writer_atom::value, writer_);
@@ -262,11 +297,15 @@ shadow_feed::~shadow_feed() {
 }
 
 void shadow_feed::at_boundary(const train_state& st) {
+  if (!active()) {
+    tracking_ = false; // seeded again if this group becomes the writer
+    return;
+  }
   if (tracking_ && next_ == st.step)
     return;
   // A copy of the state at this boundary: the shadow starts (again) here.
   // It is sent even when the queue is full: the updates in it are moot.
-  in_flight_->fetch_add(1, std::memory_order_relaxed);
+  link_->in_flight.fetch_add(1, std::memory_order_relaxed);
   caf::anon_send(shadow_, seed_atom::value, st.step, copy_of(st.params), copy_of(st.adam_m),
                  copy_of(st.adam_v), copy_of(st.scalars));
   tracking_ = true;
@@ -274,19 +313,19 @@ void shadow_feed::at_boundary(const train_state& st) {
 }
 
 void shadow_feed::committed(uint64_t k, std::span<const float> update, const train_state& after) {
-  if (!tracking_ || k != next_) {
+  if (!active() || !tracking_ || k != next_) {
     tracking_ = false;
     return;
   }
-  if (in_flight_->load(std::memory_order_relaxed) >= static_cast<int64_t>(o_.queue_max)) {
+  if (link_->in_flight.load(std::memory_order_relaxed) >= static_cast<int64_t>(o_.queue_max)) {
     ++dropped_;
     tracking_ = false; // re-seeded at the next boundary
     return;
   }
   const uint64_t expect =
     o_.check ? hash_state(after.params, after.adam_m, after.adam_v, after.scalars) | 1 : 0;
-  in_flight_->fetch_add(1, std::memory_order_relaxed);
-  caf::anon_send(shadow_, commit_atom::value, k, copy_of(update), expect);
+  link_->in_flight.fetch_add(1, std::memory_order_relaxed);
+  caf::anon_send(shadow_, commit_atom::value, k, link_->copy(update), expect);
   ++next_;
 }
 
@@ -324,7 +363,8 @@ expected<shadow_status> shadow_feed::drain(uint64_t step, std::chrono::milliseco
     auto s = status(timeout);
     if (!s)
       return s;
-    if (s->step >= step && !s->writing)
+    // A shadow not fed (another group writes) stays where it was.
+    if ((s->step >= step || !active()) && !s->writing)
       return s;
     if (std::chrono::steady_clock::now() > until)
       return make_error(errc::timeout,

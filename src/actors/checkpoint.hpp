@@ -96,7 +96,12 @@ caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string&
                                   std::span<const float> adam_m, std::span<const float> adam_v,
                                   std::span<const float> scalars);
 
-/// The trainer's side: a commit_listener that feeds a shadow actor.
+struct feed_link; // what a feed and its shadow share (checkpoint.cpp)
+
+/// The trainer's side: a commit_listener that feeds a shadow actor. When
+/// the shadow writes (a target) and does not check, only the ranks of the
+/// writing group feed theirs: another group's shadow would only repeat the
+/// work, and one that becomes the writer is seeded at its next boundary.
 class shadow_feed final : public commit_listener {
 public:
   /// Spawns the shadow actor in `sys`, which must outlive the feed.
@@ -113,8 +118,9 @@ public:
   /// handled. Errors: timeout.
   expected<shadow_status> status(std::chrono::milliseconds timeout);
 
-  /// Waits until the shadow is at `step` or beyond with no write in flight
-  /// (the run's last checkpoint is on disk before the worker exits).
+  /// Waits until the shadow is at `step` or beyond (or is not fed: another
+  /// group writes) with no write in flight (the run's last checkpoint is on
+  /// disk before the worker exits).
   /// Errors: timeout.
   expected<shadow_status> drain(uint64_t step, std::chrono::milliseconds timeout);
 
@@ -125,11 +131,12 @@ private:
   caf::actor_system& sys_;
   shadow_options o_;
   caf::actor shadow_;
-  std::shared_ptr<std::atomic<int64_t>> in_flight_;
+  std::shared_ptr<feed_link> link_;
   bool tracking_ = false;  // the shadow follows: the next update it expects is next_
   uint64_t next_ = 0;
   uint64_t dropped_ = 0;
   bool writer_ = true; // this rank's group writes the checkpoints (the epoch's lowest)
+  bool active() const { return !o_.target || o_.check || writer_; }
 };
 
 } // namespace cmesh::actors
