@@ -8,6 +8,7 @@
 #include "core/env.hpp"
 #include "core/process.hpp"
 #include "kernels/device.hpp"
+#include "model/moe_lm.hpp"
 #include "transport/bootstrap.hpp"
 #include "transport/join.hpp"
 
@@ -336,7 +337,15 @@ int run_worker(const job_options& job) {
     job_config = std::move(*list);
     // A checkpoint to resume from is found, verified and checked against
     // the configuration before the worker joins: a bad one fails here.
-    auto r = find_resume(job.supervise.durable, job_config);
+    // This rank's shard of the state (trainer.hpp: split_shards), read
+    // while the checkpoint is verified.
+    const auto world = static_cast<size_t>(place.world_size);
+    const auto S = ranks_per_group(job.train, world);
+    const auto split = actors::split_shards(model::moe_lm_parameter_count(config->model), S,
+                                            actors::norm_block);
+    const auto position = static_cast<size_t>(place.rank) % S;
+    auto r = find_resume(job.supervise.durable, job_config, split.offsets[position],
+                         split.counts[position]);
     if (!r) {
       fail_line(fmt::format("--resume {}: {}", job.supervise.durable.resume, describe(r.error())));
       return code_of(r.error()) == errc::unreachable ? 3 : 2;

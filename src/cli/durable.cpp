@@ -25,35 +25,59 @@ bool has_manifest(const std::string& dir) {
   return ::stat((dir + "/" + std::string(storage::manifest_file)).c_str(), &sb) == 0;
 }
 
-/// The newest valid checkpoint of one root; nullopt when it holds none.
-expected<std::optional<resume_point>> newest_of(const std::string& root, const config_list& job) {
-  auto n = storage::newest_valid(root, &job, true);
+/// A shard of `count` elements from `first`, and the ranges that fill it.
+struct shard_buffers {
+  std::shared_ptr<shard_state> s = std::make_shared<shard_state>();
+  std::vector<storage::range_out> wanted;
+  shard_buffers(uint64_t first, uint64_t count) {
+    s->first = first;
+    for (auto* v : {&s->weights, &s->adam_m, &s->adam_v})
+      v->resize(count);
+    wanted = {{"weights", first, std::as_writable_bytes(std::span<float>(s->weights))},
+              {"adam_m", first, std::as_writable_bytes(std::span<float>(s->adam_m))},
+              {"adam_v", first, std::as_writable_bytes(std::span<float>(s->adam_v))}};
+  }
+};
+
+/// The newest valid checkpoint of one root, its shard read; nullopt when
+/// the root holds none.
+expected<std::optional<resume_point>> newest_of(const std::string& root, const config_list& job,
+                                                uint64_t first, uint64_t count) {
+  shard_buffers b(first, count);
+  auto n = storage::newest_valid(root, &job, true, b.wanted);
   if (!n)
     return n.error();
   if (!n->found)
     return std::optional<resume_point>{};
+  return std::optional<resume_point>{resume_point{
+    std::make_shared<const storage::checkpoint>(std::move(*n->found)), b.s, n->note}};
+}
+
+/// The checkpoint in step directory `dir`, its shard read.
+expected<std::optional<resume_point>> step_dir(const std::string& dir, const config_list& job,
+                                               uint64_t first, uint64_t count) {
+  auto c = storage::checkpoint::open(dir);
+  if (!c)
+    return c.error();
+  if (auto e = c->check_config(job))
+    return e;
+  shard_buffers b(first, count);
+  if (auto e = c->verify(b.wanted))
+    return e;
   return std::optional<resume_point>{
-    resume_point{std::make_shared<const storage::checkpoint>(std::move(*n->found)), n->note}};
+    resume_point{std::make_shared<const storage::checkpoint>(std::move(*c)), b.s, {}}};
 }
 
 } // namespace
 
-expected<std::optional<resume_point>> find_resume(const durable_flags& f, const config_list& job) {
+expected<std::optional<resume_point>> find_resume(const durable_flags& f, const config_list& job,
+                                                  uint64_t first, uint64_t count) {
   if (f.resume.empty())
     return std::optional<resume_point>{};
   if (f.resume != "latest") {
-    if (has_manifest(f.resume)) {
-      auto c = storage::checkpoint::open(f.resume);
-      if (!c)
-        return c.error();
-      if (auto e = c->verify())
-        return e;
-      if (auto e = c->check_config(job))
-        return e;
-      return std::optional<resume_point>{
-        resume_point{std::make_shared<const storage::checkpoint>(std::move(*c)), {}}};
-    }
-    auto r = newest_of(f.resume, job);
+    if (has_manifest(f.resume))
+      return step_dir(f.resume, job, first, count);
+    auto r = newest_of(f.resume, job, first, count);
     if (r && !*r)
       return make_error(errc::invalid_argument,
                         fmt::format("--resume {}: no checkpoint there", f.resume));
@@ -66,7 +90,7 @@ expected<std::optional<resume_point>> find_resume(const durable_flags& f, const 
   // lost with its node, or the other way round.
   std::optional<resume_point> best;
   for (const auto& root : f.roots()) {
-    auto r = newest_of(root, job);
+    auto r = newest_of(root, job, first, count);
     if (!r)
       return r.error();
     if (*r && (!best || (*r)->ckpt->step() > best->ckpt->step()))
@@ -75,15 +99,17 @@ expected<std::optional<resume_point>> find_resume(const durable_flags& f, const 
   return best;
 }
 
-std::function<caf::error(actors::train_state&, size_t)>
-loader_of(std::shared_ptr<const storage::checkpoint> ckpt) {
-  return [ckpt](actors::train_state& st, size_t first) -> caf::error {
-    if (auto e = ckpt->read_range<float>("weights", first, st.params))
-      return e;
-    if (auto e = ckpt->read_range<float>("adam_m", first, st.adam_m))
-      return e;
-    if (auto e = ckpt->read_range<float>("adam_v", first, st.adam_v))
-      return e;
+std::function<caf::error(actors::train_state&, size_t)> loader_of(const resume_point& r) {
+  return [ckpt = r.ckpt, shard = r.shard](actors::train_state& st, size_t first) -> caf::error {
+    if (first != shard->first || st.params.size() != shard->weights.size())
+      return make_error(errc::invalid_argument,
+                        fmt::format("resume: the trainer's shard is elements [{}, {}), the one "
+                                    "read from {} [{}, {})",
+                                    first, first + st.params.size(), ckpt->dir(), shard->first,
+                                    shard->first + shard->weights.size()));
+    std::copy(shard->weights.begin(), shard->weights.end(), st.params.begin());
+    std::copy(shard->adam_m.begin(), shard->adam_m.end(), st.adam_m.begin());
+    std::copy(shard->adam_v.begin(), shard->adam_v.end(), st.adam_v.begin());
     const auto& meta = ckpt->info().meta;
     if (st.scalars.size() >= 2) {
       st.scalars[0] = meta.loss_scale;

@@ -28,9 +28,18 @@ struct durable_flags {
   std::vector<std::string> roots() const;
 };
 
-/// A checkpoint to resume from, opened and verified.
+/// This rank's shard of a checkpoint's state: elements [first, first +
+/// weights.size()) of each array.
+struct shard_state {
+  uint64_t first = 0;
+  std::vector<float> weights, adam_m, adam_v;
+};
+
+/// A checkpoint to resume from, opened and verified, and this rank's shard
+/// of it, read in the verifying pass.
 struct resume_point {
   std::shared_ptr<const storage::checkpoint> ckpt;
+  std::shared_ptr<const shard_state> shard;
   std::string note; // newer checkpoints passed over, and why (empty: none)
 };
 
@@ -38,16 +47,17 @@ struct resume_point {
 /// tiers (none at all: nullopt, the run starts at step 0); a directory is a
 /// step directory, or a root whose newest valid checkpoint is taken. Every
 /// piece is verified and the configuration compared with `job` (all but
-/// the layout: a checkpoint is read at any R x S). Errors: corrupt,
-/// invalid_argument (another configuration, a directory with no
+/// the layout: a checkpoint is read at any R x S); elements [first, first
+/// + count) of each array, this rank's shard, are kept on the way. Errors:
+/// corrupt, invalid_argument (another configuration, a directory with no
 /// checkpoint, "latest" without a tier), unreachable.
-expected<std::optional<resume_point>> find_resume(const durable_flags& f, const config_list& job);
+expected<std::optional<resume_point>> find_resume(const durable_flags& f, const config_list& job,
+                                                  uint64_t first, uint64_t count);
 
-/// Reads this rank's shard of a checkpoint into the trainer's state (for
-/// trainer_options::load): the three arrays from `first`, the loss scale
-/// and the step.
-std::function<caf::error(actors::train_state&, size_t)>
-loader_of(std::shared_ptr<const storage::checkpoint> ckpt);
+/// Puts a resume point's shard into the trainer's state (for
+/// trainer_options::load), with the loss scale and the step.
+/// invalid_argument when the trainer's shard is another range.
+std::function<caf::error(actors::train_state&, size_t)> loader_of(const resume_point& r);
 
 /// Chaos (corrupt@STEP): flips one byte in the middle of shard-0.bin of
 /// the newest checkpoint of the first tier, as a bad disk would. Returns

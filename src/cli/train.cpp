@@ -209,7 +209,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   caf::actor_system sys{sys_cfg};
   if (shadow.resume) {
     const auto& c = *shadow.resume->ckpt;
-    opts.load = loader_of(shadow.resume->ckpt);
+    opts.load = loader_of(*shadow.resume);
     if (rank == 0)
       fmt::print("cmesh: resuming from {} (step {}, written by {} replica group(s) x {} "
                  "rank(s)){}\n",

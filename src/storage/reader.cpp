@@ -215,16 +215,49 @@ caf::error checkpoint::read_range(std::string_view array, uint64_t first,
   return {};
 }
 
-caf::error checkpoint::verify() const {
+caf::error checkpoint::verify(std::span<const range_out> wanted) const {
+  // The wanted range of each array (by index), checked.
+  struct target {
+    uint64_t first = 0, count = 0;
+    std::byte* out = nullptr;
+  };
+  std::vector<std::optional<target>> by_array(m_.arrays.size());
+  for (const auto& w : wanted) {
+    auto ai = array_index(w.array);
+    if (!ai)
+      return ai.error();
+    const auto eb = dtype_bytes(m_.arrays[*ai].dtype);
+    const uint64_t count = w.out.size() / eb;
+    if (by_array[*ai] || w.out.size() % eb != 0 || w.first > m_.arrays[*ai].elements
+        || count > m_.arrays[*ai].elements - w.first)
+      return make_error(errc::invalid_argument,
+                        fmt::format("{}: a second range, or one that does not fit, of array {}",
+                                    dir_, w.array));
+    by_array[*ai] = target{w.first, count, w.out.data()};
+  }
   for (uint32_t i = 0; i < m_.files.size(); ++i) {
     const auto path = join(dir_, m_.files[i].name);
     auto f = open_file(path, O_RDONLY);
     if (!f)
       return f.error();
-    for (const auto& p : m_.pieces)
-      if (p.file == i)
-        if (auto err = read_piece(*f, path, m_, p, 0, 0, nullptr))
-          return err;
+    for (const auto& p : m_.pieces) {
+      if (p.file != i)
+        continue;
+      uint64_t lo = 0, hi = 0;
+      std::byte* dest = nullptr;
+      if (const auto& t = by_array[p.array]) {
+        const auto eb = dtype_bytes(m_.arrays[p.array].dtype);
+        const uint64_t from = std::max(t->first, p.first);
+        const uint64_t to = std::min(t->first + t->count, p.first + p.count);
+        if (from < to) {
+          lo = (from - p.first) * eb;
+          hi = (to - p.first) * eb;
+          dest = t->out + (from - t->first) * eb;
+        }
+      }
+      if (auto err = read_piece(*f, path, m_, p, lo, hi, dest))
+        return err;
+    }
   }
   return {};
 }
@@ -264,15 +297,16 @@ expected<std::vector<std::pair<std::string, uint64_t>>> step_dirs(const std::str
 }
 
 caf::error open_and_check(const std::string& dir, bool verify_data, const config_list* job,
-                          std::optional<checkpoint>* keep = nullptr) {
+                          std::optional<checkpoint>* keep = nullptr,
+                          std::span<const range_out> wanted = {}) {
   auto c = checkpoint::open(dir);
   if (!c)
     return c.error();
-  if (verify_data)
-    if (auto err = c->verify())
-      return err;
-  if (job)
+  if (job) // first: it reads no data
     if (auto err = c->check_config(*job))
+      return err;
+  if (verify_data)
+    if (auto err = c->verify(wanted))
       return err;
   if (keep)
     keep->emplace(std::move(*c));
@@ -335,7 +369,7 @@ expected<std::vector<std::string>> cleanup_partials(const std::string& root, boo
 }
 
 expected<newest_checkpoint> newest_valid(const std::string& root, const config_list* job,
-                                         bool verify_data) {
+                                         bool verify_data, std::span<const range_out> wanted) {
   newest_checkpoint out;
   if (::access(root.c_str(), F_OK) != 0 && errno == ENOENT)
     return out;
@@ -344,7 +378,7 @@ expected<newest_checkpoint> newest_valid(const std::string& root, const config_l
     return dirs.error();
   caf::error newest_error;
   for (auto it = dirs->rbegin(); it != dirs->rend(); ++it) {
-    auto err = open_and_check(it->first, verify_data, job, &out.found);
+    auto err = open_and_check(it->first, verify_data, job, &out.found, wanted);
     if (!err)
       break;
     if (!newest_error)

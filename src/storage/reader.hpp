@@ -19,6 +19,14 @@
 
 namespace cmesh::storage {
 
+/// Elements [first, first + out.size() / dtype size) of one array, to be
+/// filled by checkpoint::verify.
+struct range_out {
+  std::string array;
+  uint64_t first = 0;
+  std::span<std::byte> out;
+};
+
 class checkpoint {
 public:
   /// The checkpoint in `dir` (a step directory). A missing manifest is
@@ -53,7 +61,13 @@ public:
   }
 
   /// Reads every piece and checks its xxh64.
-  caf::error verify() const;
+  caf::error verify() const { return verify({}); }
+
+  /// verify(), copying on the way the bytes of every range of `wanted`
+  /// (one pass over the files: a resume checks the whole checkpoint and
+  /// takes its shard of it). At most one range per array; a range outside
+  /// its array is invalid_argument. On an error the outputs hold garbage.
+  caf::error verify(std::span<const range_out> wanted) const;
 
   /// invalid_argument "checkpoint step N was written with another
   /// configuration: KEY = ITS (the job's: YOURS); ..." unless the
@@ -110,8 +124,11 @@ struct newest_checkpoint {
 /// that holds checkpoints none of which is whole is an error (the code of
 /// the newest one's, naming every one), never an empty result: training
 /// must not silently start over. A missing root holds no checkpoint.
+/// `wanted` (with verify_data) is filled from the checkpoint taken, in the
+/// verifying pass (checkpoint::verify).
 expected<newest_checkpoint> newest_valid(const std::string& root, const config_list* job = nullptr,
-                                         bool verify_data = true);
+                                         bool verify_data = true,
+                                         std::span<const range_out> wanted = {});
 
 /// Removes the checkpoint of `step`: first renamed to a partial name (so a
 /// crash midway leaves nothing that looks like a checkpoint), then deleted.
