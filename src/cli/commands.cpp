@@ -314,6 +314,27 @@ std::string exit_text(int status) {
   return describe_wait_status(status);
 }
 
+namespace {
+
+/// The checkpoint a worker resumes from (--resume), with this rank's shard
+/// of the state (trainer.hpp: split_shards), read while it is verified.
+expected<std::optional<resume_point>> resume_of(const job_options& job, const launch_env& place,
+                                                const model::run_config& config,
+                                                const config_list& job_config) {
+  const auto S = ranks_per_group(job.train, static_cast<size_t>(place.world_size));
+  const auto split =
+    actors::split_shards(model::moe_lm_parameter_count(config.model), S, actors::norm_block);
+  const auto position = static_cast<size_t>(place.rank) % S;
+  auto r = find_resume(job.supervise.durable, job_config, split.offsets[position],
+                       split.counts[position]);
+  if (r && !*r && !job.supervise.durable.resume.empty())
+    fmt::print("cmesh: --resume {}: no checkpoint yet; starting at step 0\n",
+               job.supervise.durable.resume);
+  return r;
+}
+
+} // namespace
+
 int run_worker(const job_options& job) {
   std::optional<model::run_config> config; // the train job's, resolved once
   config_list job_config;                  // ... and what it registers with
@@ -337,23 +358,12 @@ int run_worker(const job_options& job) {
     job_config = std::move(*list);
     // A checkpoint to resume from is found, verified and checked against
     // the configuration before the worker joins: a bad one fails here.
-    // This rank's shard of the state (trainer.hpp: split_shards), read
-    // while the checkpoint is verified.
-    const auto world = static_cast<size_t>(place.world_size);
-    const auto S = ranks_per_group(job.train, world);
-    const auto split = actors::split_shards(model::moe_lm_parameter_count(config->model), S,
-                                            actors::norm_block);
-    const auto position = static_cast<size_t>(place.rank) % S;
-    auto r = find_resume(job.supervise.durable, job_config, split.offsets[position],
-                         split.counts[position]);
+    auto r = resume_of(job, place, *config, job_config);
     if (!r) {
       fail_line(fmt::format("--resume {}: {}", job.supervise.durable.resume, describe(r.error())));
       return code_of(r.error()) == errc::unreachable ? 3 : 2;
     }
     shadow.resume = std::move(*r);
-    if (!job.supervise.durable.resume.empty() && !shadow.resume)
-      fmt::print("cmesh: --resume {}: no checkpoint yet; starting at step 0\n",
-                 job.supervise.durable.resume);
     shadow.on = job.supervise.shadow || job.supervise.shadow_check;
     shadow.check = job.supervise.shadow_check;
     shadow.durable = job.supervise.durable;

@@ -127,21 +127,32 @@ std::string corrupt_newest_checkpoint(const durable_flags& f) {
   auto all = storage::list_checkpoints(roots.front(), false);
   if (!all || all->empty())
     return "nothing to corrupt: no checkpoint in " + roots.front();
-  const auto file = all->back().dir + "/" + storage::shard_file_name(0);
+  auto c = storage::checkpoint::open(all->back().dir);
+  if (!c)
+    return "nothing to corrupt: " + describe(c.error());
+  // A byte of data, not of the alignment holes between pieces: the middle
+  // of the middle piece of shard-0.bin.
+  std::vector<const storage::piece_entry*> in_first;
+  for (const auto& p : c->info().pieces)
+    if (c->info().files[p.file].name == storage::shard_file_name(0))
+      in_first.push_back(&p);
+  if (in_first.empty())
+    return "nothing to corrupt: no piece in shard-0.bin of " + c->dir();
+  const auto& p = *in_first[in_first.size() / 2];
+  const auto bytes = p.count * storage::dtype_bytes(c->info().arrays[p.array].dtype);
+  const auto at = static_cast<off_t>(p.offset + bytes / 2);
+  const auto file = c->dir() + "/" + storage::shard_file_name(0);
   const int fd = ::open(file.c_str(), O_RDWR);
-  struct stat sb {};
-  if (fd < 0 || ::fstat(fd, &sb) != 0 || sb.st_size == 0) {
-    if (fd >= 0)
-      ::close(fd);
+  if (fd < 0)
     return "could not open " + file;
-  }
-  const off_t at = sb.st_size / 2;
   unsigned char b = 0;
   bool ok = ::pread(fd, &b, 1, at) == 1;
   b ^= 0x5a;
   ok = ok && ::pwrite(fd, &b, 1, at) == 1 && ::fsync(fd) == 0;
   ::close(fd);
-  auto what = ok ? fmt::format("flipped byte {} of {}", at, file) : "could not write " + file;
+  auto what = ok ? fmt::format("flipped byte {} of {} ({})", at, file,
+                               storage::describe_piece(c->info(), p))
+                 : "could not write " + file;
   fmt::print("cmesh: chaos: {}\n", what);
   return what;
 }

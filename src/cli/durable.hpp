@@ -59,9 +59,9 @@ expected<std::optional<resume_point>> find_resume(const durable_flags& f, const 
 /// invalid_argument when the trainer's shard is another range.
 std::function<caf::error(actors::train_state&, size_t)> loader_of(const resume_point& r);
 
-/// Chaos (corrupt@STEP): flips one byte in the middle of shard-0.bin of
-/// the newest checkpoint of the first tier, as a bad disk would. Returns
-/// what it did, or why it did nothing.
+/// Chaos (corrupt@STEP): flips one byte of data (the middle of the middle
+/// piece of shard-0.bin) of the newest checkpoint of the first tier, as a
+/// bad disk would. Returns what it did, or why it did nothing.
 std::string corrupt_newest_checkpoint(const durable_flags& f);
 
 } // namespace cmesh::cli

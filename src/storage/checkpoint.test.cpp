@@ -110,6 +110,39 @@ TEST_CASE("storage: written at S=2, read at S=1, S=3 and any range (reshard)") {
   CHECK(c->info().files[ps.back()->file].name == "shard-1.bin");
 }
 
+TEST_CASE("storage: verify fills the wanted ranges in its one pass; a bad range is refused") {
+  temp_dir root;
+  auto s = make_sample(40, 2);
+  write_options o;
+  o.max_piece_bytes = 4096;
+  auto dir = write_sample(root.path(), s, 2, o);
+  REQUIRE_MESSAGE(dir, describe(dir.error()));
+  auto c = checkpoint::open(*dir);
+  REQUIRE(c);
+  const uint64_t n = s.values[0].size();
+  // Ranges that start and end inside pieces, and one of each array.
+  const uint64_t first = n / 3 + 7, count = n / 3;
+  std::vector<float> w(count), m(count), v(n);
+  std::vector<range_out> wanted{{"weights", first, std::as_writable_bytes(std::span<float>(w))},
+                                {"adam_m", first + 1, std::as_writable_bytes(std::span<float>(m))},
+                                {"adam_v", 0, std::as_writable_bytes(std::span<float>(v))}};
+  REQUIRE(!c->verify(wanted));
+  CHECK(std::equal(w.begin(), w.end(), s.values[0].begin() + static_cast<long>(first)));
+  CHECK(std::equal(m.begin(), m.end(), s.values[1].begin() + static_cast<long>(first + 1)));
+  CHECK(v == s.values[2]);
+  // Two ranges of one array, or one past its end: the caller's mistake.
+  std::vector<float> x(4);
+  auto xb = std::as_writable_bytes(std::span<float>(x));
+  CHECK(code_of(c->verify(std::vector<range_out>{{"weights", 0, xb}, {"weights", 8, xb}}))
+        == errc::invalid_argument);
+  CHECK(code_of(c->verify(std::vector<range_out>{{"weights", n - 2, xb}}))
+        == errc::invalid_argument);
+  CHECK(code_of(c->verify(std::vector<range_out>{{"nope", 0, xb}})) == errc::invalid_argument);
+  // A flipped byte anywhere fails the pass, wanted or not.
+  flip_byte(*dir + "/shard-1.bin", 4096 + 3);
+  CHECK(code_of(c->verify(wanted)) == errc::corrupt);
+}
+
 TEST_CASE("storage: a part of a piece longer than the read buffer (1 MiB) is read and checked") {
   temp_dir root;
   auto s = make_sample(8, 3, 40); // embed: 256 x 1280 floats, 1.25 MiB, one piece
