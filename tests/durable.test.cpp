@@ -248,3 +248,29 @@ TEST_CASE("the disk filling up under training: each failed write is said, traini
   check_identical(r, 2);
   CHECK(steps_in(shared) == std::vector<uint64_t>{10, 20, 30, 40});
 }
+
+TEST_CASE("checkpoints every T seconds: the ranks of the group agree on the step in the commit "
+          "vote; each checkpoint is whole and resumes bit-identical") {
+  scratch s("seconds");
+  const auto root = s.dir + "/ckpt";
+  auto r = launch("-n 4 --replicas 2 --checkpoint-dir " + root
+                  + " --checkpoint-every 0 --checkpoint-seconds 0.3 --checkpoint-keep 100");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  check_identical(r, 4);
+  CHECK(!has(r.output, "could not write"));
+  auto on_disk = steps_in(root);
+  REQUIRE(on_disk.size() >= 2); // at least one by time, and the last step's
+  CHECK(on_disk.back() == steps);
+  auto v = run_cmesh("checkpoint verify " + root, {}, 120s);
+  INFO(v.output);
+  CHECK(v.exit_code == 0);
+  const auto middle = root + "/step-" + [&] {
+    auto t = std::to_string(on_disk.front());
+    return std::string(9 - t.size(), '0') + t;
+  }();
+  auto q = launch("-n 2 --replicas 1 --resume " + middle);
+  INFO(q.output);
+  REQUIRE(q.exit_code == 0);
+  check_identical(q, 2);
+}

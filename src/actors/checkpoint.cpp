@@ -182,13 +182,14 @@ void send_write(shadow_self* self, snapshot copy) {
 /// After the shadow reached a step: when a checkpoint is due there (see
 /// checkpoint.hpp), a copy goes to the disk actor, or waits for the write
 /// in flight (one copy waits at most: a newer one replaces it).
-void maybe_write(shadow_self* self) {
+void maybe_write(shadow_self* self, bool agreed) {
   auto& S = self->state;
   const uint64_t s = S.st.step;
   if (!S.target || !S.writer || !S.st.seeded || s == 0 || s <= S.last_due
       || s <= S.target->resumed_from)
     return;
-  const bool due = (S.target->every > 0 && s % S.target->every == 0) || s == S.train.steps;
+  const bool due =
+    agreed || (S.target->every > 0 && s % S.target->every == 0) || s == S.train.steps;
   if (!due)
     return;
   S.last_due = s;
@@ -218,7 +219,7 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
   }
   return {
     [=](seed_atom, uint64_t step, std::vector<float>& p, std::vector<float>& m,
-        std::vector<float>& v, std::vector<float>& sc) {
+        std::vector<float>& v, std::vector<float>& sc, bool agreed) {
       auto& S = self->state;
       S.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
       S.params = std::move(p);
@@ -228,9 +229,9 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
       S.st.step = step;
       S.st.seeded = true;
       ++S.st.seeds;
-      maybe_write(self);
+      maybe_write(self, agreed);
     },
-    [=](commit_atom, uint64_t k, std::vector<float>& update, uint64_t expect) {
+    [=](commit_atom, uint64_t k, std::vector<float>& update, uint64_t expect, bool agreed) {
       auto& S = self->state;
       S.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
       if (!S.st.seeded || k != S.st.step || update.size() != S.params.size()) {
@@ -251,7 +252,7 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
                         k);
         }
       }
-      maybe_write(self);
+      maybe_write(self, agreed);
     },
     [=](writer_atom, bool writer) { self->state.writer = writer; },
     [=](status_atom) {
@@ -296,6 +297,21 @@ shadow_feed::~shadow_feed() {
   caf::anon_send_exit(shadow_, caf::exit_reason::user_shutdown);
 }
 
+bool shadow_feed::wants_checkpoint(uint64_t k) {
+  if (!o_.target || o_.target->every_time.count() <= 0)
+    return false;
+  // Time since the last checkpoint of any kind, K steps' included.
+  const auto every = o_.target->every;
+  if (every > 0 && (k + 1) % every == 0)
+    last_due_ = std::chrono::steady_clock::now();
+  return std::chrono::steady_clock::now() - last_due_ >= o_.target->every_time;
+}
+
+void shadow_feed::checkpoint_agreed(uint64_t k) {
+  agreed_step_ = k + 1; // the state after step k
+  last_due_ = std::chrono::steady_clock::now();
+}
+
 void shadow_feed::at_boundary(const train_state& st) {
   if (!active()) {
     tracking_ = false; // seeded again if this group becomes the writer
@@ -307,7 +323,7 @@ void shadow_feed::at_boundary(const train_state& st) {
   // It is sent even when the queue is full: the updates in it are moot.
   link_->in_flight.fetch_add(1, std::memory_order_relaxed);
   caf::anon_send(shadow_, seed_atom::value, st.step, copy_of(st.params), copy_of(st.adam_m),
-                 copy_of(st.adam_v), copy_of(st.scalars));
+                 copy_of(st.adam_v), copy_of(st.scalars), st.step == agreed_step_);
   tracking_ = true;
   next_ = st.step;
 }
@@ -325,7 +341,8 @@ void shadow_feed::committed(uint64_t k, std::span<const float> update, const tra
   const uint64_t expect =
     o_.check ? hash_state(after.params, after.adam_m, after.adam_v, after.scalars) | 1 : 0;
   link_->in_flight.fetch_add(1, std::memory_order_relaxed);
-  caf::anon_send(shadow_, commit_atom::value, k, link_->copy(update), expect);
+  caf::anon_send(shadow_, commit_atom::value, k, link_->copy(update), expect,
+                 k + 1 == agreed_step_);
   ++next_;
 }
 

@@ -20,7 +20,10 @@
 // hash of the state per step on both sides: for tests and audits).
 //
 // Writing (a checkpoint_target): when the shadow reaches a step that is a
-// multiple of `every`, or the run's last step, it copies its state and
+// multiple of `every`, or the run's last step, or one the commit vote
+// agreed on because `every_time` passed on some rank since the last
+// checkpoint (time differs between ranks; the vote makes the group's
+// ranks pick the same step: commit_listener::wants_checkpoint), it copies its state and
 // hands the copy to a disk actor of its own (a detached CAF actor: its
 // blocking I/O takes no scheduler thread), which writes it through the
 // tiers in order, each on its own: the local directory, then the shared one. One replica
@@ -69,6 +72,7 @@ struct shadow_status {
 struct checkpoint_target {
   std::vector<std::string> roots; // the tiers, in order: local, then shared
   uint64_t every = 0;             // steps between checkpoints (0: the last step only)
+  std::chrono::milliseconds every_time{0}; // ... or this long since the last (0: off)
   size_t keep_last = 3;           // retention (storage/retention.hpp)
   uint64_t keep_every = 0;
   std::chrono::milliseconds assemble_timeout{60000}; // position 0 waits this long for parts
@@ -112,6 +116,8 @@ public:
 
   void entered_epoch(std::span<const uint32_t> members, size_t ranks_per_group) override;
   void at_boundary(const train_state& st) override;
+  bool wants_checkpoint(uint64_t k) override;
+  void checkpoint_agreed(uint64_t k) override;
   void committed(uint64_t k, std::span<const float> update, const train_state& after) override;
 
   /// Asks the shadow where it stands, once the messages sent before were
@@ -136,6 +142,8 @@ private:
   uint64_t next_ = 0;
   uint64_t dropped_ = 0;
   bool writer_ = true; // this rank's group writes the checkpoints (the epoch's lowest)
+  uint64_t agreed_step_ = 0; // a time-based checkpoint of the state at this step was agreed
+  std::chrono::steady_clock::time_point last_due_ = std::chrono::steady_clock::now();
   bool active() const { return !o_.target || o_.check || writer_; }
 };
 

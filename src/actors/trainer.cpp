@@ -138,7 +138,11 @@ struct trainer::impl {
   /// The update of a step whose commit vote failed here: if the others saw
   /// it pass, it is applied when the next epoch reconciles.
   std::optional<std::pair<uint64_t, std::vector<float>>> pending;
-  std::vector<int64_t> vote; // the commit vote's buffer, reused step to step
+  /// The commit vote's buffer, reused step to step: [any rank failed,
+  /// newest epoch, overflow, a checkpoint wanted, then with replica
+  /// verification one state hash per member], max-reduced.
+  std::vector<int64_t> vote;
+  static constexpr size_t vote_hashes = 4; // where the hashes start
   double comm_s = 0;
 
   impl(trainer_options opts, std::shared_ptr<const model::corpus> d)
@@ -520,13 +524,14 @@ caf::error trainer::impl::commit_vote(coll::communicator& comm, uint64_t step,
                                       double& verify_ms) {
   const auto& tc = o.config.train;
   const bool verify = tc.verify_every > 0 && step % tc.verify_every == 0;
-  vote.assign(3 + (verify ? comm.size() : 0), INT64_MIN);
+  vote.assign(vote_hashes + (verify ? comm.size() : 0), INT64_MIN);
   vote[0] = latched ? 1 : 0;
   vote[1] = sup ? static_cast<int64_t>(sup->newest_epoch()) : 0;
   vote[2] = overflow ? 1 : 0;
+  vote[3] = o.listener && o.listener->wants_checkpoint(step) ? 1 : 0;
   const double t0 = mono_s();
   if (verify)
-    vote[3 + comm.index()] = vote_slot(hash_state(master, adam_m, adam_v, scalars));
+    vote[vote_hashes + comm.index()] = vote_slot(hash_state(master, adam_m, adam_v, scalars));
   verify_ms += (mono_s() - t0) * 1e3;
   caf::error vote_error;
   collective(vote_error, [&] {
@@ -535,7 +540,8 @@ caf::error trainer::impl::commit_vote(coll::communicator& comm, uint64_t step,
   if (verify && !latched && !vote_error && vote[0] == 0) {
     const double t1 = mono_s();
     collective(latched, [&] {
-      return check_replicas(comm, std::span<const int64_t>(vote).subspan(3), master, net, step);
+      return check_replicas(comm, std::span<const int64_t>(vote).subspan(vote_hashes), master,
+                            net, step);
     });
     verify_ms += (mono_s() - t1) * 1e3;
   }
@@ -939,8 +945,11 @@ expected<train_result> trainer::run() {
     }
     ++st.step;
     ++committed_here;
-    if (I.o.listener)
+    if (I.o.listener) {
+      if (vote[3] != 0)
+        I.o.listener->checkpoint_agreed(step);
       I.o.listener->committed(step, update, st);
+    }
     const double dt = mono_s() - t0;
     step_report rep;
     rep.step = st.step;

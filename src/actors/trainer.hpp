@@ -237,6 +237,15 @@ public:
   }
   /// At each step boundary, the state at st.step.
   virtual void at_boundary(const train_state& st) = 0; // and once after the last step
+  /// Whether this rank wants a checkpoint of the state after step `k` (a
+  /// time-based one): asked before k's commit vote, which carries it; if
+  /// any member wants one, every member is told checkpoint_agreed(k) just
+  /// before committed(k), so all of them checkpoint the same step.
+  virtual bool wants_checkpoint(uint64_t k) {
+    (void)k;
+    return false;
+  }
+  virtual void checkpoint_agreed(uint64_t k) { (void)k; }
   /// Step k committed here with `update`, leaving the state `after` (at
   /// step k + 1). Steps applied by reconciliation or catch-up are not
   /// announced: a listener that sees a gap takes the state at a boundary.

@@ -297,7 +297,8 @@ std::vector<std::string> worker_args(const job_options& job) {
   if (!d.shared.empty())
     a.insert(a.end(), {"--checkpoint-shared", d.shared});
   if (d.writes())
-    a.insert(a.end(), {"--checkpoint-every", std::to_string(d.every), "--checkpoint-keep",
+    a.insert(a.end(), {"--checkpoint-every", std::to_string(d.every), "--checkpoint-seconds",
+                       fmt::format("{}", d.seconds), "--checkpoint-keep",
                        std::to_string(d.keep_last), "--checkpoint-keep-every",
                        std::to_string(d.keep_every)});
   if (!d.resume.empty())

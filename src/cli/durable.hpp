@@ -20,6 +20,7 @@ struct durable_flags {
   std::string dir;        // --checkpoint-dir: the local tier (turns the shadow on)
   std::string shared;     // --checkpoint-shared: the shared tier
   uint64_t every = 50;    // --checkpoint-every: steps between checkpoints
+  double seconds = 0;     // --checkpoint-seconds: ... or this long since the last (0: off)
   size_t keep_last = 3;   // --checkpoint-keep
   uint64_t keep_every = 0; // --checkpoint-keep-every
   std::string resume;     // --resume: "", a directory, or "latest"

@@ -72,6 +72,10 @@ int main(int argc, char** argv) {
                     "checkpoint is written here too, after the local one");
     cmd->add_option("--checkpoint-every", d.every, "steps between checkpoints (0: the last only)")
       ->capture_default_str();
+    cmd->add_option("--checkpoint-seconds", d.seconds,
+                    "also a checkpoint once this many seconds passed since the last one (the "
+                    "ranks agree on the step in the commit vote; 0: off)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
     cmd->add_option("--checkpoint-keep", d.keep_last, "retention: the newest N checkpoints")
       ->capture_default_str()->check(CLI::Range(size_t{1}, size_t{1000000}));
     cmd->add_option("--checkpoint-keep-every", d.keep_every,

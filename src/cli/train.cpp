@@ -121,6 +121,7 @@ actors::checkpoint_target target_of(const shadow_flags& f, model::model& net,
   actors::checkpoint_target t;
   t.roots = f.durable.roots();
   t.every = f.durable.every;
+  t.every_time = std::chrono::milliseconds(static_cast<int64_t>(f.durable.seconds * 1000.0));
   t.keep_last = f.durable.keep_last;
   t.keep_every = f.durable.keep_every;
   t.rank = rank;
