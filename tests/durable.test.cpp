@@ -7,9 +7,11 @@
 // bit-identical to the run that was never interrupted.
 #include "node_harness.hpp"
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <thread>
 
 using namespace cmesh;
 using namespace cmesh::testing;
@@ -273,4 +275,40 @@ TEST_CASE("checkpoints every T seconds: the ranks of the group agree on the step
   INFO(q.output);
   REQUIRE(q.exit_code == 0);
   check_identical(q, 2);
+}
+
+TEST_CASE("SIGTERM to cmesh launch: every worker stops after the same step, checkpoints it, and "
+          "the job resumes from there at another layout, bit-identical") {
+  scratch s("stop");
+  std::filesystem::create_directories(s.dir);
+  const auto root = s.dir + "/ckpt", out = s.dir + "/out";
+  auto c = spawn_cmesh("launch -n 4 --replicas 2 --exact --steps " + std::to_string(steps)
+                         + " --log-every 1 --checkpoint-dir " + root + " --checkpoint-every 100",
+                       out);
+  // Once step 12 committed, the launcher is asked to stop (as a
+  // scheduler's preemption or a Ctrl-C would).
+  const auto until = std::chrono::steady_clock::now() + 120s;
+  while (!has(slurp(out), "\nstep    12") && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);
+  REQUIRE(has(slurp(out), "\nstep    12"));
+  c.signal(SIGTERM);
+  auto st = c.wait(120s);
+  REQUIRE(st.has_value());
+  const auto output = slurp(out);
+  INFO(output);
+  CHECK(exit_code_of(*st) == 128 + SIGTERM);
+  auto stopped = captures(output, "cmesh: stopped after step ([0-9]+) on request");
+  REQUIRE(stopped.size() == 1);
+  const auto at = std::stoull(stopped[0]);
+  CHECK(at >= 12);
+  CHECK(at < static_cast<uint64_t>(steps));
+  // Every rank stopped at that step; its checkpoint is the only one.
+  CHECK(captures(output, "trainer: stopped at step ([0-9]+)")
+        == std::vector<std::string>(4, stopped[0]));
+  CHECK(steps_in(root) == std::vector<uint64_t>{at});
+  auto q = launch("-n 4 --replicas 4 --resume latest --checkpoint-dir " + root);
+  INFO(q.output);
+  REQUIRE(q.exit_code == 0);
+  CHECK(has(q.output, "(step " + stopped[0] + ","));
+  check_identical(q, 4);
 }

@@ -37,6 +37,7 @@ namespace {
 
 std::atomic<bool> hang_requested{false};
 std::atomic<int> faults_requested{0};
+std::atomic<bool> stop_requested{false};
 std::atomic<int> flips_requested{0};
 
 /// A hash as a slot of the commit vote, an all_reduce with max over int64:
@@ -104,6 +105,14 @@ void request_fault() {
   faults_requested.fetch_add(1, std::memory_order_relaxed);
 }
 
+void request_stop() {
+  stop_requested.store(true, std::memory_order_relaxed);
+}
+
+bool stop_was_requested() {
+  return stop_requested.load(std::memory_order_relaxed);
+}
+
 void request_flip() {
   flips_requested.fetch_add(1, std::memory_order_relaxed);
 }
@@ -139,10 +148,10 @@ struct trainer::impl {
   /// it pass, it is applied when the next epoch reconciles.
   std::optional<std::pair<uint64_t, std::vector<float>>> pending;
   /// The commit vote's buffer, reused step to step: [any rank failed,
-  /// newest epoch, overflow, a checkpoint wanted, then with replica
-  /// verification one state hash per member], max-reduced.
+  /// newest epoch, overflow, a checkpoint wanted, a stop asked for, then
+  /// with replica verification one state hash per member], max-reduced.
   std::vector<int64_t> vote;
-  static constexpr size_t vote_hashes = 4; // where the hashes start
+  static constexpr size_t vote_hashes = 5; // where the hashes start
   double comm_s = 0;
 
   impl(trainer_options opts, std::shared_ptr<const model::corpus> d)
@@ -529,6 +538,7 @@ caf::error trainer::impl::commit_vote(coll::communicator& comm, uint64_t step,
   vote[1] = sup ? static_cast<int64_t>(sup->newest_epoch()) : 0;
   vote[2] = overflow ? 1 : 0;
   vote[3] = o.listener && o.listener->wants_checkpoint(step) ? 1 : 0;
+  vote[4] = stop_requested.load(std::memory_order_relaxed) ? 1 : 0;
   const double t0 = mono_s();
   if (verify)
     vote[vote_hashes + comm.index()] = vote_slot(hash_state(master, adam_m, adam_v, scalars));
@@ -945,8 +955,9 @@ expected<train_result> trainer::run() {
     }
     ++st.step;
     ++committed_here;
+    const bool stop = vote[4] != 0; // every member stops after this step, and checkpoints it
     if (I.o.listener) {
-      if (vote[3] != 0)
+      if (vote[3] != 0 || stop)
         I.o.listener->checkpoint_agreed(step);
       I.o.listener->committed(step, update, st);
     }
@@ -969,6 +980,11 @@ expected<train_result> trainer::run() {
     result.final_loss = rep.loss;
     if (I.o.on_step)
       I.o.on_step(rep);
+    if (stop) {
+      spdlog::info("trainer: stopped at step {}: a member was asked to stop", st.step);
+      result.stopped = true;
+      break;
+    }
   }
   if (I.o.listener)
     I.o.listener->at_boundary(st); // the last step's state (a listener may not have it)

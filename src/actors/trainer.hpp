@@ -105,6 +105,7 @@ struct train_result {
   uint64_t weights_xxh64 = 0;   // of the final fp32 weights, to compare runs
   double verify_ms = 0;         // spent hashing and comparing replicas (this rank)
   uint64_t state_hash = 0;      // hash_state of this rank's final state (shard)
+  bool stopped = false;         // ended before the last step: a stop was asked for
 };
 
 /// A rank's training state "at step s": the weights and AdamW moments after
@@ -213,6 +214,14 @@ void request_hang();
 /// scalars). XXH3, 64 bits: a check against faults, not adversaries.
 uint64_t hash_state(std::span<const float> params, std::span<const float> adam_m,
                     std::span<const float> adam_v, std::span<const float> scalars);
+
+/// Asks the trainer to stop (SIGTERM: a scheduler's preemption, Ctrl-C
+/// under cmesh launch): the request rides on the next commit vote, so every
+/// member stops after the same step, which is checkpointed (the listener
+/// is told checkpoint_agreed), and run() returns with `stopped`.
+/// Async-signal-safe.
+void request_stop();
+bool stop_was_requested();
 
 /// Chaos support: flips one bit of this rank's weights (its fp32 master
 /// shard) at the next step boundary, as silent data corruption would, so

@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <csignal>
 #include <map>
 #include <optional>
@@ -382,6 +383,17 @@ int run_worker(const job_options& job) {
     // SIGRTMIN flips a bit of its weights (flip@STEP:RANK).
     sa.sa_handler = [](int) { actors::request_flip(); };
     sigaction(SIGRTMIN, &sa, nullptr);
+    // SIGTERM (a scheduler's preemption or cancel, cmesh launch passing on
+    // a Ctrl-C) and SIGINT stop training after a step every member agrees
+    // on, checkpointed; a worker not training by then ends 60 s later
+    // (SIGALRM's default action).
+    sa.sa_handler = [](int) {
+      if (!actors::stop_was_requested())
+        ::alarm(60);
+      actors::request_stop();
+    };
+    sigaction(SIGTERM, &sa, nullptr);
+    sigaction(SIGINT, &sa, nullptr);
   }
   join_options jo;
   jo.connect_transport = job.job != "train";
@@ -439,7 +451,12 @@ struct launch_setup {
   size_t next_action = 0; // the plan's actions before it were done (by an earlier attempt too)
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   uint32_t job_restarts = 0; // every worker restarted from the checkpoints
+  int signals_seen = 0;      // SIGINT / SIGTERM acted on
 };
+
+/// SIGINT and SIGTERM received by `cmesh launch`, and the last one.
+std::atomic<int> launch_signals{0};
+std::atomic<int> launch_last_signal{0};
 
 /// The launch's setup from the flags. Errors: invalid_argument.
 expected<launch_setup> prepare_launch(const job_options& job) {
@@ -588,6 +605,21 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
     const auto per_group = static_cast<uint32_t>(ranks_per_group(job.train, job.world_size));
     auto tick = [&](const actors::supervisor::view& v) -> std::string {
       auto now = clock::now();
+      // SIGINT or SIGTERM: every worker is asked to stop after a step they
+      // agree on (checkpointed); a second one ends the job at once.
+      if (const int n = launch_signals.load(); n > ls.signals_seen) {
+        ls.signals_seen = n;
+        if (n > 1)
+          return "interrupted twice: every worker is ended";
+        fmt::print("cmesh: stopping: every worker finishes a step they agree on{} and exits "
+                   "(again to end them at once)\n",
+                   job.supervise.durable.writes() ? ", checkpoints it," : "");
+        std::fflush(stdout);
+        sup->note("stop", {{"step", v.max_member_step}});
+        for (auto& w : workers)
+          if (w.running())
+            w.signal(SIGTERM);
+      }
       // Chaos: actions whose step the members reached.
       while (next_action < plan.size() && plan[next_action].at_step <= v.max_member_step) {
         auto& a = plan[next_action];
@@ -660,6 +692,8 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       // Dead workers are restarted after the delay, up to max_restarts each.
       size_t alive = 0;
       for (uint32_t r = 0; r < workers.size(); ++r) {
+        if (restart_at[r] && ls.signals_seen > 0)
+          restart_at[r].reset(); // stopping: nobody is replaced
         if (restart_at[r] && *restart_at[r] <= now) {
           restart_at[r].reset();
           ++restarts[r];
@@ -755,12 +789,24 @@ int run_launch(const job_options& job) {
     fail_line(describe(ls.error()));
     return 2;
   }
+  if (job.job == "train") {
+    struct sigaction sa {};
+    sa.sa_handler = [](int sig) {
+      launch_last_signal.store(sig);
+      launch_signals.fetch_add(1);
+    };
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+  }
   job_options attempt = job;
   for (;;) {
     const bool may_resume = job.job == "train" && job.supervise.durable.writes()
                             && ls->job_restarts < job.supervise.max_restarts;
     bool resumable = false;
-    const int rc = launch_attempt(attempt, *ls, may_resume, resumable);
+    const int rc = launch_attempt(attempt, *ls, may_resume && ls->signals_seen == 0, resumable);
+    if (ls->signals_seen > 0) // stopped on request: 128 + the signal, as a shell reports it
+      return rc == 0 ? 128 + launch_last_signal.load() : rc;
     if (!resumable || !may_resume)
       return rc;
     ++ls->job_restarts;

@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <future>
 #include <memory>
@@ -275,17 +276,21 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
       return exit_fenced;
     return result.error();
   }
+  ::alarm(0); // a stop's deadline (run_worker) is for a rank that never trained
+  if (feed && shadow.durable.writes()) {
+    // The last step's checkpoint is on disk before the rank says it is done.
+    if (auto s = feed->drain(result->steps, timeout); !s)
+      spdlog::error("rank {}: {}", rank, describe(s.error()));
+  }
+  if (result->stopped && rank == 0)
+    fmt::print("cmesh: stopped after step {} on request{}\n", result->steps,
+               shadow.durable.writes() ? "; --resume latest goes on from there" : "");
   agent.finished(result->steps,
                  {rank, "done",
                   fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
                               result->steps, result->final_loss, result->tokens_per_s,
                               result->seconds, result->weights_xxh64),
                   mono_ns()});
-  if (feed && shadow.durable.writes()) {
-    // The last step's checkpoint is on disk before the rank says it is done.
-    if (auto s = feed->drain(result->steps, timeout); !s)
-      spdlog::error("rank {}: {}", rank, describe(s.error()));
-  }
   print_stats(rank, *step_ms_total, result->verify_ms);
   if (feed)
     print_shadow(rank, *feed, *result);
