@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <mutex>
 #include <thread>
 #include <vector>
 
