@@ -106,7 +106,11 @@ TEST_CASE("2x2: SIGKILL every worker at once; the launcher resumes them from the
   CHECK(has(log, "\"event\":\"job_restart\""));
   CHECK(has(log, "\"event\":\"catchup_start\""));
   CHECK(has(r.output, "SIGKILL rank 1"));
-  // Retention kept the newest three, the last step's among them.
+  // Retention kept the newest three, the last step's among them, and no
+  // partial directory of the killed writers is left.
+  for (auto& e : std::filesystem::directory_iterator(s.dir + "/ckpt"))
+    CHECK_MESSAGE(e.path().filename().string().find(".partial-") == std::string::npos,
+                  e.path().string());
   auto on_disk = steps_in(s.dir + "/ckpt");
   CHECK(on_disk.size() <= 3);
   REQUIRE(!on_disk.empty());

@@ -56,7 +56,13 @@ caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string&
   if (!dir)
     return dir.error();
   spdlog::info("checkpoint: step {} written to {}", step, *dir);
-  // Retention: the committer of a root trims it.
+  // The committer of a root trims it: the partial directories of writers
+  // that died (killed in the middle of a write), then retention.
+  if (auto gone = storage::cleanup_partials(root); !gone)
+    spdlog::warn("checkpoint: {}", describe(gone.error()));
+  else
+    for (const auto& d : *gone)
+      spdlog::info("checkpoint: removed {}, left by a writer that is gone", d);
   auto all = storage::list_checkpoints(root, false);
   if (!all)
     return all.error();
