@@ -42,7 +42,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
                                     "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS[?], "
                                     "hang@STEP:RANK[?], fault@STEP:RANK[:TIMES], flip@STEP:RANK, "
-                                    "kill-source@STEP, kill-all@STEP, corrupt@STEP)",
+                                    "kill-source@STEP, kill-all@STEP, corrupt@STEP, kill-checkpointer@STEP)",
                                     item, why));
     };
     auto at = item.find('@');
@@ -79,10 +79,12 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
         return bad(fmt::format("rank {} is outside the {} workers", a.rank, world_size));
       if (a.kind == action_kind::stop && (!number(args[2], a.stop_ms) || a.stop_ms <= 0))
         return bad("the stop time is not a positive number of milliseconds");
-    } else if (verb == "kill-source" || verb == "kill-all" || verb == "corrupt") {
+    } else if (verb == "kill-source" || verb == "kill-all" || verb == "corrupt"
+               || verb == "kill-checkpointer") {
       a.kind = verb == "kill-source" ? action_kind::kill_source
                : verb == "kill-all"  ? action_kind::kill_all
-                                     : action_kind::corrupt;
+               : verb == "corrupt"   ? action_kind::corrupt
+                                     : action_kind::kill_checkpointer;
       if (args.size() != 1)
         return bad(fmt::format("{} takes only a step", verb));
     } else {
@@ -148,6 +150,9 @@ std::string to_string(const std::vector<action>& plan) {
         break;
       case action_kind::kill_source: out += fmt::format("kill-source@{}", a.at_step); break;
       case action_kind::kill_all: out += fmt::format("kill-all@{}", a.at_step); break;
+      case action_kind::kill_checkpointer:
+        out += fmt::format("kill-checkpointer@{}", a.at_step);
+        break;
       case action_kind::corrupt: out += fmt::format("corrupt@{}", a.at_step); break;
       case action_kind::hang:
         out += fmt::format("hang@{}:{}{}", a.at_step, a.rank, a.survivable ? "?" : "");

@@ -21,6 +21,9 @@
 //                      source is not the last live member
 //   kill-all@S         SIGKILL every worker at once at step S (the job then
 //                      resumes from its checkpoints: --checkpoint-dir)
+//   kill-checkpointer@S  SIGKILL the checkpointer process (--checkpointer) at
+//                      step S (the launcher starts another; the writing ranks
+//                      link to it and seed it)
 //   corrupt@S          at step S, flip one byte of a shard file of the newest
 //                      checkpoint (a resume must pass it over for an older one)
 //   kill-coordinator   is not a plan action: the coordinator is the launcher
@@ -38,7 +41,17 @@
 
 namespace cmesh::chaos {
 
-enum class action_kind : uint8_t { kill, stop, kill_source, hang, fault, flip, kill_all, corrupt };
+enum class action_kind : uint8_t {
+  kill,
+  stop,
+  kill_source,
+  hang,
+  fault,
+  flip,
+  kill_all,
+  corrupt,
+  kill_checkpointer
+};
 
 struct action {
   action_kind kind = action_kind::kill;

@@ -36,6 +36,11 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
   CHECK((*k)[1] == action{action_kind::corrupt, 30, 0, 0});
   CHECK(to_string(*k) == "kill-all@20,corrupt@30");
   CHECK(!parse_plan("kill-all@20:1", 4));
+  auto c = parse_plan("kill-checkpointer@12", 4);
+  REQUIRE(c);
+  CHECK((*c)[0] == action{action_kind::kill_checkpointer, 12, 0, 0});
+  CHECK(to_string(*c) == "kill-checkpointer@12");
+  CHECK(!parse_plan("kill-checkpointer@12:0", 4));
   CHECK(!parse_plan("corrupt@x", 4));
   auto empty = parse_plan("", 4);
   REQUIRE(empty);

@@ -121,6 +121,71 @@ TEST_CASE("2x2: SIGKILL every worker at once; the launcher resumes them from the
   CHECK(v.exit_code == 0);
 }
 
+TEST_CASE("--checkpointer: killed, it is started again and fed; after every worker is killed, "
+          "the step they all last committed is on disk and the run resumes there") {
+  scratch s("checkpointer");
+  const auto root = s.dir + "/ckpt";
+  std::filesystem::create_directories(s.dir);
+  const auto events = s.dir + "/events.jsonl";
+  // 60 steps: the replacement checkpointer is linked and seeded long before
+  // the kill of every worker (its start and the ranks' linking to it take
+  // about 0.5 s; 42 steps take about 2 s here, longer under sanitizers).
+  constexpr int n = 60;
+  const auto common = "launch --exact --steps " + std::to_string(n) + " --log-every 10 ";
+  auto ref = run_cmesh(common + "-n 1", {}, 300s);
+  REQUIRE(ref.exit_code == 0);
+  auto ref_weights = done_weights(ref.output, n);
+  REQUIRE(ref_weights.size() == 1);
+  auto r = run_cmesh(common + "-n 4 --replicas 2 --checkpointer --shadow-check --checkpoint-dir "
+                       + root
+                       + " --checkpoint-every 10 --chaos kill-checkpointer@3,kill-all@45 "
+                         "--events "
+                       + events,
+                     {}, 300s);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(has(r.output, "cmesh: chaos: SIGKILL the checkpointer"));
+  // Three checkpointer processes: the first (killed), its replacement
+  // (stopped after the kill of every worker: it wrote where they stood),
+  // and the resumed attempt's.
+  CHECK(captures(r.output, "(cmesh: checkpointer for 2 replica group)").size() == 3);
+  auto killed_at =
+    captures(r.output, "SIGKILL \\(kill-all\\) rank 0 \\(pid [0-9]+\\) at step ([0-9]+)");
+  REQUIRE(killed_at.size() == 1);
+  auto resumed = captures(r.output, "resuming from [^ ]+ \\(step ([0-9]+)");
+  REQUIRE(resumed.size() == 1);
+  // Not the newest periodic checkpoint (40): the step the workers stood
+  // at when they were killed (the slowest of a group may be one behind).
+  CHECK(std::stoull(resumed[0]) + 1 >= std::stoull(killed_at[0]));
+  CHECK(std::stoull(resumed[0]) > 40);
+  CHECK(has(r.output, "checkpointer (signal 15): step " + resumed[0] + " is on disk"));
+  auto ws = done_weights(r.output, n);
+  CHECK(ws.size() == 4);
+  for (auto& w : ws)
+    CHECK(w == ref_weights[0]);
+  // The shadows matched the trainers after every update they were sent.
+  auto checked = captures(r.output, "checkpointer position [01] step=[0-9]+ state=[0-9a-f]+ "
+                                    "applied=[0-9]+ seeds=[0-9]+ checked=([0-9]+) mismatches=0");
+  CHECK(checked.size() == 4); // 2 positions x the 2 processes that were not killed
+  for (auto& c : checked)
+    CHECK(std::stoull(c) > 0);
+  CHECK(!has(r.output, "differs from the trainer's"));
+  auto log = slurp(events);
+  CHECK(has(log, "\"event\":\"checkpointer_started\""));
+  CHECK(has(log, "\"event\":\"checkpointer_exit\""));
+  CHECK(has(log, "\"event\":\"job_restart\""));
+  auto on_disk = steps_in(root);
+  REQUIRE(!on_disk.empty());
+  CHECK(on_disk.back() == n);
+  CHECK(std::find(on_disk.begin(), on_disk.end(), std::stoull(resumed[0])) != on_disk.end());
+  for (auto& e : std::filesystem::directory_iterator(root))
+    CHECK_MESSAGE(e.path().filename().string().find(".partial-") == std::string::npos,
+                  e.path().string());
+  auto v = run_cmesh("checkpoint verify " + root, {}, 120s);
+  INFO(v.output);
+  CHECK(v.exit_code == 0);
+}
+
 TEST_CASE("stopped at 2x2, resumed at 4x1 and at 1x2: bit-identical to the uninterrupted run") {
   scratch s("reshard");
   const auto root = s.dir + "/ckpt";

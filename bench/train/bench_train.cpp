@@ -370,10 +370,13 @@ struct shadow_counts {
   uint64_t written = 0, failures = 0, skipped = 0, last = 0;
 };
 
-/// The workers' `cmesh: rank R shadow ...` lines, by rank.
-std::map<int, shadow_counts> shadow_lines(const std::string& output) {
-  std::regex re("cmesh: rank ([0-9]+) shadow .* written=([0-9]+) write_failures=([0-9]+) "
-                "write_skipped=([0-9]+) last_written=([0-9]+)");
+/// The workers' `cmesh: rank R shadow ...` lines by rank (or, with `who`, the
+/// checkpointer process's `checkpointer position P ...` lines by position).
+std::map<int, shadow_counts> shadow_lines(const std::string& output,
+                                          const std::string& who = "rank ([0-9]+) shadow") {
+  std::regex re("cmesh: " + who
+                + " .* written=([0-9]+) write_failures=([0-9]+) "
+                  "write_skipped=([0-9]+) last_written=([0-9]+)");
   std::map<int, shadow_counts> out;
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);) {
@@ -407,7 +410,7 @@ struct durable_model {
   int due() const { return steps / every + (steps % every != 0); } // the last step's too
 };
 
-enum durable_level { d_off, d_shadow, d_local, d_shared };
+enum durable_level { d_off, d_shadow, d_local, d_shared, d_process };
 
 struct durable_variant {
   const char* name;
@@ -426,12 +429,18 @@ bool durable_run(const durable_model& m, durable_variant& v) {
     flags = " --shadow";
   if (v.level >= d_local)
     flags = fmt::format(" --checkpoint-dir {} --checkpoint-every {}", local, m.every);
-  if (v.level == d_shared)
+  if (v.level >= d_shared)
     flags += " --checkpoint-shared " + shared;
+  if (v.level == d_process)
+    flags += " --checkpointer";
   auto r = launch(fmt::format("-n {} --steps {} --log-every 1{}{}", m.procs, m.steps, m.args(),
                               flags));
   const auto t = summarise(r.steps, m.warmup);
-  const auto sh = shadow_lines(r.output);
+  // The checkpointer process holds one shadow per shard position (S = 1).
+  const auto sh = v.level == d_process
+                    ? shadow_lines(r.output, "checkpointer position ([0-9]+)")
+                    : shadow_lines(r.output);
+  const size_t want_lines = v.level == d_process ? 1 : static_cast<size_t>(m.procs);
   const size_t local_n = tier_writes(r.output, local), shared_n = tier_writes(r.output, shared);
   std::error_code ec;
   std::filesystem::remove_all(base, ec);
@@ -445,13 +454,13 @@ bool durable_run(const durable_model& m, durable_variant& v) {
     why = fmt::format("exit status {}", r.status);
   else if (t.steps == 0)
     why = "no progress lines after the warm-up";
-  else if (v.level != d_off && sh.size() != static_cast<size_t>(m.procs))
-    why = fmt::format("{} shadow line(s), not {}", sh.size(), m.procs);
+  else if (v.level != d_off && sh.size() != want_lines)
+    why = fmt::format("{} shadow line(s), not {}", sh.size(), want_lines);
   else if (failures > 0)
     why = fmt::format("{} write failure(s)", failures);
   else if (v.level >= d_local && (most == 0 || local_n == 0))
     why = "no checkpoint written";
-  else if (v.level == d_shared && shared_n == 0)
+  else if (v.level >= d_shared && shared_n == 0)
     why = "no checkpoint written to the shared tier";
   if (!why.empty()) {
     fmt::print(stderr, "durable: {}, {}: {}\n", m.name, v.name, why);
@@ -466,6 +475,7 @@ bool durable_run(const durable_model& m, durable_variant& v) {
 struct durable_result {
   bool ran = true;
   double all_tiers = NAN; // shadow + both tiers against off, percent
+  double process = NAN;   // ... with the shadow in the checkpointer process
 };
 
 /// The rounds of one model's four variants, and its rows of the table.
@@ -473,7 +483,9 @@ durable_result durable_rows(const durable_model& m) {
   std::vector<durable_variant> vs = {{"off", d_off, {}, {}, {}},
                                      {"shadow only (--shadow)", d_shadow, {}, {}, {}},
                                      {"shadow + local tier", d_local, {}, {}, {}},
-                                     {"shadow + local + shared tiers", d_shared, {}, {}, {}}};
+                                     {"shadow + local + shared tiers", d_shared, {}, {}, {}},
+                                     {"checkpointer process + both tiers (--checkpointer)",
+                                      d_process, {}, {}, {}}};
   durable_result res;
   for (int round = 0; round < m.rounds; ++round)
     for (auto& v : vs)
@@ -490,6 +502,7 @@ durable_result durable_rows(const durable_model& m) {
                100.0 * (ms / off - 1.0), written, skipped, v.step_ms.size(), m.rounds);
   }
   res.all_tiers = 100.0 * (median_of(vs[3].step_ms) / off - 1.0);
+  res.process = 100.0 * (median_of(vs[4].step_ms) / off - 1.0);
   return res;
 }
 
@@ -610,17 +623,23 @@ const char* big_model_toml = "[model]\nd_model = 512\ncontext = 4\nlayers = 4\nf
                              "[train]\nglobal_batch = 4\nmicro_batch = 2\nseq_len = 32\n";
 
 void durable_text(const std::vector<durable_model>& models, const std::vector<double>& all_tiers,
-                  int blas_threads) {
+                  const std::vector<double>& process, int blas_threads) {
   fmt::print("\nstep ms: rank 0's mean step (its progress lines) after the warm-up, median of\n"
              "the rounds; rank 0 is in the group that writes. 'written / due': checkpoints\n"
              "the shadows wrote in one run (their `written` counters, summed over the\n"
              "ranks; only group 0 writes, the last step's included, after the measured\n"
              "steps) against those due; 'skipped': due while the previous write still ran.\n"
              "Every run exited 0, had a shadow line per rank and no write failure, and each tier\n"
-             "logged its writes (else it is left out of 'runs' and said on stderr).\n\n");
-  std::string measured;
-  for (size_t i = 0; i < models.size(); ++i)
+             "logged its writes (else it is left out of 'runs' and said on stderr).\n"
+             "--checkpointer: the shadow in a `cmesh checkpointer` process (its line\n"
+             "instead of the ranks'); rank 0 copies each update into a bulk buffer and\n"
+             "posts it over UCX, and the copy, the optimizer and the writes run in the\n"
+             "other process.\n\n");
+  std::string measured, in_process;
+  for (size_t i = 0; i < models.size(); ++i) {
     measured += fmt::format("{}{} {:+.1f}%", i ? ", " : "", models[i].name, all_tiers[i]);
+    in_process += fmt::format("{}{} {:+.1f}%", i ? ", " : "", models[i].name, process[i]);
+  }
   fmt::print("Goal: with the shadow and both tiers on, training under 1% slower than off\n"
              "where the shadow has a core of its own: the 1x1 rows, one trainer process\n"
              "of {} OpenBLAS thread(s) on {} cores, leave its shadow and disk actor the\n"
@@ -629,11 +648,12 @@ void durable_text(const std::vector<durable_model>& models, const std::vector<do
              "applies every committed update with the optimizer) and its disk actor take\n"
              "time from them: what checkpointing costs when nothing is spare.\n"
              "Shadow + both tiers against off: {}.\n"
+             "The same in the checkpointer process: {}.\n"
              "For scale, Checkmate (NSDI '24) checkpoints every iteration at the\n"
              "throughput of no checkpointing (its shadow nodes take the gradients off the\n"
              "network), and CheckFreq (FAST '21) keeps its overhead at most 3.5%\n"
              "(pipelined snapshot and persist, the frequency tuned to that bound).\n\n",
-             blas_threads, std::thread::hardware_concurrency(), measured);
+             blas_threads, std::thread::hardware_concurrency(), measured, in_process);
 }
 
 void load_text() {
@@ -691,13 +711,14 @@ bool durable_table(int steps, int warmup, bool quick, int blas_threads) {
              "| model (params) | variant | step ms | against off | checkpoints written / due "
              "(per run) | skipped (per run) | runs |\n|---|---|---|---|---|---|---|\n");
   bool ran = true;
-  std::vector<double> all_tiers;
+  std::vector<double> all_tiers, process;
   for (auto& m : models) {
     auto r = durable_rows(m);
     ran = r.ran && ran;
     all_tiers.push_back(r.all_tiers);
+    process.push_back(r.process);
   }
-  durable_text(models, all_tiers, blas_threads);
+  durable_text(models, all_tiers, process, blas_threads);
   const int load_rounds = quick ? 1 : 3;
   fmt::print("## a checkpoint on disk, and the start of a run resumed from it ({} rounds)\n\n"
              "| model (params) | bytes of a step directory | read(2) ms (this process) | "

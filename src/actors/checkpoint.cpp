@@ -45,7 +45,7 @@ caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string&
   if (position != 0) {
     if (auto e = w->publish_part())
       return e;
-    if (auto gone = storage::remove_own_stale_parts(root, step); !gone)
+    if (auto gone = storage::remove_own_stale_parts(root, step, t.assemble_timeout); !gone)
       spdlog::warn("checkpoint: {}", describe(gone.error()));
     return {};
   }
@@ -77,8 +77,8 @@ caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string&
 
 namespace {
 
-using seed_atom = caf::atom_constant<caf::atom("seed")>;
-using commit_atom = caf::atom_constant<caf::atom("commit")>;
+using seed_atom = shadow_seed_atom;
+using commit_atom = shadow_commit_atom;
 using status_atom = caf::atom_constant<caf::atom("status")>;
 using write_atom = caf::atom_constant<caf::atom("write")>;
 using written_atom = caf::atom_constant<caf::atom("written")>;
@@ -195,8 +195,10 @@ void maybe_write(shadow_self* self, bool agreed) {
   if (!S.target || !S.writer || !S.st.seeded || s == 0 || s <= S.last_due
       || s <= S.target->resumed_from)
     return;
-  const bool due =
-    agreed || (S.target->every > 0 && s % S.target->every == 0) || s == S.train.steps;
+  const bool due = agreed
+                  || (!S.target->when_told
+                      && ((S.target->every > 0 && s % S.target->every == 0)
+                          || s == S.train.steps));
   if (!due)
     return;
   S.last_due = s;
@@ -261,6 +263,11 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
       }
       maybe_write(self, agreed);
     },
+    [=](shadow_flush_atom) {
+      // A stop's last checkpoint: the state it is at, unless one of that
+      // step was due already (written, being written or waiting).
+      maybe_write(self, true);
+    },
     [=](writer_atom, bool writer) { self->state.writer = writer; },
     [=](status_atom) {
       auto& S = self->state;
@@ -285,6 +292,10 @@ shadow_feed::shadow_feed(caf::actor_system& sys, shadow_options o)
     : sys_(sys), o_(std::move(o)), link_(std::make_shared<feed_link>()) {
   link_->spare_max = o_.queue_max + 1;
   shadow_ = sys_.spawn(shadow_actor, o_.train, link_, o_.target);
+  if (o_.target) {
+    clock_.every = o_.target->every;
+    clock_.every_time = o_.target->every_time;
+  }
   if (o_.target)
     writer_ = o_.target->rank / std::max<uint32_t>(1, o_.target->ranks_per_group) == 0;
   caf::anon_send(shadow_, writer_atom::value, writer_);
@@ -304,19 +315,25 @@ shadow_feed::~shadow_feed() {
   caf::anon_send_exit(shadow_, caf::exit_reason::user_shutdown);
 }
 
-bool shadow_feed::wants_checkpoint(uint64_t k) {
-  if (!o_.target || o_.target->every_time.count() <= 0)
+bool checkpoint_clock::wants(uint64_t k) {
+  if (every_time.count() <= 0)
     return false;
-  // Time since the last checkpoint of any kind, K steps' included.
-  const auto every = o_.target->every;
   if (every > 0 && (k + 1) % every == 0)
-    last_due_ = std::chrono::steady_clock::now();
-  return std::chrono::steady_clock::now() - last_due_ >= o_.target->every_time;
+    last_due = std::chrono::steady_clock::now();
+  return std::chrono::steady_clock::now() - last_due >= every_time;
+}
+
+void checkpoint_clock::agreed(uint64_t k) {
+  agreed_step = k + 1; // the state after step k
+  last_due = std::chrono::steady_clock::now();
+}
+
+bool shadow_feed::wants_checkpoint(uint64_t k) {
+  return o_.target && clock_.wants(k);
 }
 
 void shadow_feed::checkpoint_agreed(uint64_t k) {
-  agreed_step_ = k + 1; // the state after step k
-  last_due_ = std::chrono::steady_clock::now();
+  clock_.agreed(k);
 }
 
 void shadow_feed::at_boundary(const train_state& st) {
@@ -330,7 +347,7 @@ void shadow_feed::at_boundary(const train_state& st) {
   // It is sent even when the queue is full: the updates in it are moot.
   link_->in_flight.fetch_add(1, std::memory_order_relaxed);
   caf::anon_send(shadow_, seed_atom::value, st.step, copy_of(st.params), copy_of(st.adam_m),
-                 copy_of(st.adam_v), copy_of(st.scalars), st.step == agreed_step_);
+                 copy_of(st.adam_v), copy_of(st.scalars), st.step == clock_.agreed_step);
   tracking_ = true;
   next_ = st.step;
 }
@@ -349,14 +366,15 @@ void shadow_feed::committed(uint64_t k, std::span<const float> update, const tra
     o_.check ? hash_state(after.params, after.adam_m, after.adam_v, after.scalars) | 1 : 0;
   link_->in_flight.fetch_add(1, std::memory_order_relaxed);
   caf::anon_send(shadow_, commit_atom::value, k, link_->copy(update), expect,
-                 k + 1 == agreed_step_);
+                 k + 1 == clock_.agreed_step);
   ++next_;
 }
 
-expected<shadow_status> shadow_feed::status(std::chrono::milliseconds timeout) {
-  caf::scoped_actor self{sys_};
+expected<shadow_status> shadow_status_of(caf::actor_system& sys, const caf::actor& shadow,
+                                         std::chrono::milliseconds timeout) {
+  caf::scoped_actor self{sys};
   expected<shadow_status> out = make_error(errc::timeout, "the checkpoint shadow did not answer");
-  self->request(shadow_, caf::duration{timeout}, status_atom::value)
+  self->request(shadow, caf::duration{timeout}, status_atom::value)
     .receive(
       [&](const std::vector<uint64_t>& v) {
         shadow_status s;
@@ -376,9 +394,20 @@ expected<shadow_status> shadow_feed::status(std::chrono::milliseconds timeout) {
       },
       [&](caf::error& e) {
         out = make_error(errc::timeout,
-                         fmt::format("the checkpoint shadow: {}", sys_.render(e)));
+                         fmt::format("the checkpoint shadow: {}", sys.render(e)));
       });
   return out;
+}
+
+caf::actor spawn_shadow(caf::actor_system& sys, model::train_config train,
+                        std::optional<checkpoint_target> target) {
+  auto link = std::make_shared<feed_link>();
+  link->spare_max = 0; // its updates come from elsewhere: nothing to hand back
+  return sys.spawn(shadow_actor, std::move(train), std::move(link), std::move(target));
+}
+
+expected<shadow_status> shadow_feed::status(std::chrono::milliseconds timeout) {
+  return shadow_status_of(sys_, shadow_, timeout);
 }
 
 expected<shadow_status> shadow_feed::drain(uint64_t step, std::chrono::milliseconds timeout) {

@@ -83,6 +83,9 @@ struct checkpoint_target {
   std::vector<storage::tensor_entry> tensors; // the model's, in the flat state
   config_list config;                    // the job's (model::canonical_config)
   uint64_t resumed_from = 0;             // the step resumed from: not written again
+  /// Write only when told (shadow_flush_atom): the checkpointer's
+  /// collector decides, since only it knows when every shard is at a step.
+  bool when_told = false;
 };
 
 struct shadow_options {
@@ -92,6 +95,19 @@ struct shadow_options {
   std::optional<checkpoint_target> target; // none: the shadow writes nothing
 };
 
+/// When a feed wants a time-based checkpoint (commit_listener's
+/// wants_checkpoint and checkpoint_agreed): `every_time` since the last
+/// checkpoint of any kind, every K steps' included.
+struct checkpoint_clock {
+  uint64_t every = 0;
+  std::chrono::milliseconds every_time{0};
+  uint64_t agreed_step = 0; // a checkpoint of the state at this step was agreed
+  std::chrono::steady_clock::time_point last_due = std::chrono::steady_clock::now();
+
+  bool wants(uint64_t k);
+  void agreed(uint64_t k);
+};
+
 /// Writes one shard's part of the checkpoint of `step` into `root`
 /// (position 0 of the group also adopts the other parts and commits), then
 /// applies retention there. Blocking; what the disk actor runs per tier.
@@ -99,6 +115,28 @@ caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string&
                                   uint64_t step, std::span<const float> params,
                                   std::span<const float> adam_m, std::span<const float> adam_v,
                                   std::span<const float> scalars);
+
+/// The shadow actor alone, as shadow_feed and the checkpointer process
+/// (actors/checkpointer.hpp) run it. Its messages:
+/// - (shadow_seed_atom, step, params, adam_m, adam_v, scalars, agreed): the
+///   state at a step boundary (vectors moved in);
+/// - (shadow_commit_atom, k, update, expect, agreed): step k's committed
+///   update, applied when the shadow is at k (else it is dropped and the
+///   shadow is unseeded); `expect` as in shadow_options::check;
+/// - (shadow_flush_atom): write the state it is at now, unless a
+///   checkpoint of that step was already due (a stop's last checkpoint);
+/// - status: see shadow_status_of.
+/// A request with either of the first three is answered once it is handled.
+using shadow_seed_atom = caf::atom_constant<caf::atom("seed")>;
+using shadow_commit_atom = caf::atom_constant<caf::atom("commit")>;
+using shadow_flush_atom = caf::atom_constant<caf::atom("flush")>;
+caf::actor spawn_shadow(caf::actor_system& sys, model::train_config train,
+                        std::optional<checkpoint_target> target);
+
+/// Asks a shadow actor where it stands, once the messages sent before were
+/// handled. Errors: timeout.
+expected<shadow_status> shadow_status_of(caf::actor_system& sys, const caf::actor& shadow,
+                                         std::chrono::milliseconds timeout);
 
 struct feed_link; // what a feed and its shadow share (checkpoint.cpp)
 
@@ -142,8 +180,7 @@ private:
   uint64_t next_ = 0;
   uint64_t dropped_ = 0;
   bool writer_ = true; // this rank's group writes the checkpoints (the epoch's lowest)
-  uint64_t agreed_step_ = 0; // a time-based checkpoint of the state at this step was agreed
-  std::chrono::steady_clock::time_point last_due_ = std::chrono::steady_clock::now();
+  checkpoint_clock clock_;
   bool active() const { return !o_.target || o_.check || writer_; }
 };
 

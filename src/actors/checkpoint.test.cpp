@@ -4,6 +4,7 @@
 // End to end (real workers, a kill, catch-up): tests/supervision.test.cpp.
 #include "actors/checkpoint.hpp"
 #include "actors/optimizer.hpp"
+#include "actors/testing.hpp"
 
 #include "storage/paths.hpp"
 #include "storage/reader.hpp"
@@ -23,31 +24,7 @@ using namespace cmesh::actors;
 
 namespace {
 
-/// A shard's state stepped by the optimizer, as the trainer steps it.
-struct fake_trainer {
-  model::train_config tc;
-  std::vector<float> params, m, v, scalars{65536.0f, 0.0f};
-  uint64_t step = 0;
-  std::mt19937 rng{7};
-
-  explicit fake_trainer(size_t n) : params(n), m(n, 0.0f), v(n, 0.0f) {
-    std::uniform_real_distribution<float> d(-1.0f, 1.0f);
-    for (auto& p : params)
-      p = d(rng);
-  }
-  train_state state() { return {step, params, m, v, scalars}; }
-  /// Commits one step: returns its update.
-  std::vector<float> commit() {
-    std::vector<float> u(params.size());
-    std::normal_distribution<float> d(0.0f, 0.01f);
-    for (auto& x : u)
-      x = d(rng);
-    apply_committed(tc, state(), step, u);
-    ++step;
-    return u;
-  }
-  uint64_t hash() { return hash_state(params, m, v, scalars); }
-};
+using fake_trainer = testing::fake_shard;
 
 } // namespace
 

@@ -302,6 +302,8 @@ std::vector<std::string> worker_args(const job_options& job) {
                        fmt::format("{}", d.seconds), "--checkpoint-keep",
                        std::to_string(d.keep_last), "--checkpoint-keep-every",
                        std::to_string(d.keep_every)});
+  if (d.writes() && d.checkpointer)
+    a.push_back("--checkpointer");
   if (!d.resume.empty())
     a.insert(a.end(), {"--resume", d.resume});
   return a;
@@ -512,6 +514,85 @@ expected<launch_setup> prepare_launch(const job_options& job) {
   return ls;
 }
 
+/// The checkpointer process of a launched attempt (--checkpointer): it
+/// outlives the workers, so when every worker is lost it writes the last
+/// step they all committed before the next attempt resumes from it.
+struct launched_checkpointer {
+  child_process proc;
+  uint32_t restarts = 0;
+  bool wanted = false;
+
+  /// Errors: a line for the launcher (it could not be started).
+  std::string start(const std::string& exe, const job_options& job, const std::string& address,
+                    actors::supervisor* sup) {
+    std::string err;
+    auto args = worker_args(job);
+    args.front() = "checkpointer";
+    args.insert(args.begin() + 1, {"-n", std::to_string(job.world_size)});
+    proc = child_process::spawn(exe, args, {{"CMESH_COORDINATOR", address}}, &err);
+    if (proc.pid() < 0)
+      return "cannot start the checkpointer: " + err;
+    if (sup)
+      sup->note("checkpointer_started", {{"pid", int64_t{proc.pid()}}});
+    return {};
+  }
+
+  /// One that died is started again (the writing ranks link to the new
+  /// one and seed it), up to --max-restarts. Errors: a reason to end the job.
+  std::string keep(const std::string& exe, const job_options& job, const std::string& address,
+                   actors::supervisor& sup, double t) {
+    if (!wanted || proc.pid() <= 0)
+      return {};
+    auto st = proc.poll();
+    if (!st)
+      return {};
+    fmt::print("cmesh: the checkpointer (pid {}) ended: {} (t+{:.3f} s)\n", proc.pid(),
+               describe_wait_status(*st), t);
+    sup.note("checkpointer_exit",
+             {{"pid", int64_t{proc.pid()}}, {"status", describe_wait_status(*st)}});
+    if (restarts++ >= job.supervise.max_restarts)
+      return "the checkpointer ended too often";
+    return start(exe, job, address, &sup);
+  }
+
+  /// Chaos kill-checkpointer@STEP.
+  void kill(uint64_t step, actors::supervisor& sup, double t) {
+    if (!proc.running()) {
+      fmt::print("cmesh: chaos: no checkpointer to kill at step {} (--checkpointer)\n", step);
+      return;
+    }
+    fmt::print("cmesh: chaos: SIGKILL the checkpointer (pid {}) at step {} (t+{:.3f} s)\n",
+               proc.pid(), step, t);
+    sup.note("chaos", {{"signal", std::string("SIGKILL (checkpointer)")},
+                       {"pid", int64_t{proc.pid()}},
+                       {"step", step}});
+    proc.signal(SIGKILL);
+  }
+
+  /// At the attempt's end: SIGTERM, and it writes the newest whole step and
+  /// exits. False when it failed or had to be killed.
+  bool stop(const job_options& job, actors::supervisor* sup) {
+    if (proc.pid() <= 0 || !proc.running())
+      return true;
+    proc.signal(SIGTERM);
+    auto st = proc.wait(std::chrono::seconds(job.timeout_s));
+    bool ok = true;
+    if (!st) {
+      fmt::print(stderr, "cmesh: the checkpointer did not exit; killing it\n");
+      proc.kill_and_reap();
+      ok = false;
+    } else if (exit_code_of(*st) != 0) {
+      fmt::print(stderr, "cmesh: the checkpointer ended with {}\n", describe_wait_status(*st));
+      ok = false;
+    }
+    if (sup)
+      sup->note("checkpointer_exit",
+                {{"pid", int64_t{proc.pid()}},
+                 {"status", st ? describe_wait_status(*st) : std::string("killed")}});
+    return ok;
+  }
+};
+
 /// One attempt of a launched job: a coordinator, its supervisor and the
 /// workers, until the job ends. `resumable`: it ended because no epoch can
 /// form (every replica group lost), which a restart of every worker from
@@ -576,6 +657,14 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       sup->note("worker_started", {{"rank", uint64_t{r}}, {"pid", int64_t{workers[r].pid()}}});
     return true;
   };
+  launched_checkpointer checkpointer;
+  checkpointer.wanted =
+    job.job == "train" && job.supervise.durable.checkpointer && job.supervise.durable.writes();
+  if (checkpointer.wanted)
+    if (auto e = checkpointer.start(exe, job, address, sup.get()); !e.empty()) {
+      fail_line(e);
+      return 3;
+    }
   for (uint32_t r = 0; r < job.world_size; ++r)
     if (!start_worker(r, false))
       return 3;
@@ -645,6 +734,8 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
         if (a.kind == chaos::action_kind::kill_all) {
           for (uint32_t r = 0; r < workers.size(); ++r)
             signal_rank(r, SIGKILL, "SIGKILL (kill-all)", v.max_member_step);
+        } else if (a.kind == chaos::action_kind::kill_checkpointer) {
+          checkpointer.kill(v.max_member_step, *sup, secs_since_start());
         } else if (a.kind == chaos::action_kind::corrupt) {
           sup->note("chaos", {{"action", std::string("corrupt")}, {"step", v.max_member_step},
                               {"what", corrupt_newest_checkpoint(job.supervise.durable)}});
@@ -689,6 +780,9 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
           ++it;
         }
       }
+      if (ls.signals_seen == 0)
+        if (auto e = checkpointer.keep(exe, job, address, *sup, secs_since_start()); !e.empty())
+          return e;
       // Dead workers are restarted after the delay, up to max_restarts each.
       size_t alive = 0;
       for (uint32_t r = 0; r < workers.size(); ++r) {
@@ -764,6 +858,8 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       rc = 1;
     }
   }
+  if (!checkpointer.stop(job, sup.get()))
+    rc = 1;
   if (sup)
     sup->stop();
   coord.stop();

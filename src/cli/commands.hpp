@@ -50,5 +50,10 @@ int run_version();
 int run_coordinator(const std::string& bind, uint16_t port, const job_options& job);
 int run_worker(const job_options& job);
 int run_launch(const job_options& job);
+/// `cmesh checkpointer`: the job's checkpoint shadows in a process of their
+/// own (actors/checkpointer.hpp), until SIGTERM or the coordinator's end;
+/// then the newest whole step is written. `coordinator`: empty for
+/// CMESH_COORDINATOR.
+int run_checkpointer(const job_options& job, const std::string& coordinator);
 
 } // namespace cmesh::cli

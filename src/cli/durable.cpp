@@ -18,6 +18,26 @@ std::vector<std::string> durable_flags::roots() const {
   return out;
 }
 
+actors::checkpoint_target target_of(const durable_flags& f, const config_list& config,
+                                    model::model& net, uint32_t rank, size_t replicas,
+                                    size_t per_group, uint64_t resumed_from) {
+  actors::checkpoint_target t;
+  t.roots = f.roots();
+  t.every = f.every;
+  t.every_time = std::chrono::milliseconds(static_cast<int64_t>(f.seconds * 1000.0));
+  t.keep_last = f.keep_last;
+  t.keep_every = f.keep_every;
+  t.rank = rank;
+  t.replicas = static_cast<uint32_t>(replicas);
+  t.ranks_per_group = static_cast<uint32_t>(per_group);
+  t.elements = net.parameters().size();
+  for (const auto& ti : net.tensors())
+    t.tensors.push_back({ti.name, {ti.shape.begin(), ti.shape.end()}, ti.offset, ti.size});
+  t.config = config;
+  t.resumed_from = resumed_from;
+  return t;
+}
+
 namespace {
 
 bool has_manifest(const std::string& dir) {

@@ -24,10 +24,18 @@ struct durable_flags {
   size_t keep_last = 3;   // --checkpoint-keep
   uint64_t keep_every = 0; // --checkpoint-keep-every
   std::string resume;     // --resume: "", a directory, or "latest"
+  bool checkpointer = false; // --checkpointer: a process of its own writes (actors/checkpointer.hpp)
   bool writes() const { return !dir.empty() || !shared.empty(); }
   /// The tiers, in order.
   std::vector<std::string> roots() const;
 };
+
+/// Where and when checkpoints are written, for the shard of `rank` of a
+/// run of the model `net` at R x S = replicas x per_group; the step resumed
+/// from is not written again.
+actors::checkpoint_target target_of(const durable_flags& f, const config_list& config,
+                                    model::model& net, uint32_t rank, size_t replicas,
+                                    size_t per_group, uint64_t resumed_from);
 
 /// This rank's shard of a checkpoint's state: elements [first, first +
 /// weights.size()) of each array.

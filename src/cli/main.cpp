@@ -81,6 +81,10 @@ int main(int argc, char** argv) {
     cmd->add_option("--checkpoint-keep-every", d.keep_every,
                     "retention: also every checkpoint of a multiple of M steps (0: none)")
       ->capture_default_str();
+    cmd->add_flag("--checkpointer", d.checkpointer,
+                  "the checkpoints are written by a `cmesh checkpointer` process (launch starts "
+                  "it), which the writing group's ranks stream their committed updates to, so "
+                  "the last committed step outlives every worker");
     cmd->add_option("--resume", d.resume,
                     "start from a checkpoint: a step directory, a directory of checkpoints (its "
                     "newest valid one), or latest (the newest valid one of --checkpoint-dir and "
@@ -137,7 +141,8 @@ int main(int argc, char** argv) {
     ->capture_default_str();
   launch->add_option("--chaos", job.supervise.chaos,
                      "faults to inject: kill@STEP:RANK, stop@STEP:RANK:MS, hang@STEP:RANK, "
-                     "fault@STEP:RANK[:TIMES], kill-source@STEP (comma-separated; a '?' after "
+                     "fault@STEP:RANK[:TIMES], kill-source@STEP, kill-all@STEP, corrupt@STEP, "
+                     "kill-checkpointer@STEP (comma-separated; a '?' after "
                      "a kill, a stop or a hang skips it when its group is the last live one)");
   launch->add_option("--chaos-kills", job.supervise.chaos_kills,
                      "SIGKILLs of random ranks at random steps, drawn with --chaos-seed");
@@ -156,6 +161,16 @@ int main(int argc, char** argv) {
   launch->add_option("--chaos-first-step", job.supervise.chaos_first_step,
                      "the random actions fall at this step or later")
     ->capture_default_str();
+
+  std::string checkpointer_at;
+  auto* checkpointer = app.add_subcommand(
+    "checkpointer", "a job's checkpoint shadows in a process of their own: the writing "
+                    "group's ranks stream their shards to it (see --checkpointer)");
+  checkpointer->add_option("-n,--world-size", job.world_size, "the job's number of workers")
+    ->required()->check(CLI::Range(1u, 1u << 20));
+  checkpointer->add_option("--coordinator", checkpointer_at,
+                           "the job's coordinator, HOST:PORT (default: CMESH_COORDINATOR)");
+  add_job_flags(checkpointer);
 
   checkpoint_args ckpt;
   auto* checkpoint = add_checkpoint_command(app, ckpt);
@@ -178,6 +193,8 @@ int main(int argc, char** argv) {
     return run_worker(job);
   if (app.got_subcommand(launch))
     return run_launch(job);
+  if (app.got_subcommand(checkpointer))
+    return run_checkpointer(job, checkpointer_at);
   if (app.got_subcommand(checkpoint))
     return run_checkpoint(ckpt);
   return 2;

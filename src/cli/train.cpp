@@ -2,6 +2,7 @@
 
 #include "actors/agent.hpp"
 #include "actors/checkpoint.hpp"
+#include "actors/checkpointer.hpp"
 #include "actors/trainer.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "kernels/gemm.hpp"
@@ -116,26 +117,6 @@ void print_shadow(uint32_t rank, actors::shadow_feed& feed, const actors::train_
   std::fflush(stdout);
 }
 
-/// Where and when this rank's shadow writes.
-actors::checkpoint_target target_of(const shadow_flags& f, model::model& net,
-                                    uint32_t rank, size_t replicas, size_t per_group) {
-  actors::checkpoint_target t;
-  t.roots = f.durable.roots();
-  t.every = f.durable.every;
-  t.every_time = std::chrono::milliseconds(static_cast<int64_t>(f.durable.seconds * 1000.0));
-  t.keep_last = f.durable.keep_last;
-  t.keep_every = f.durable.keep_every;
-  t.rank = rank;
-  t.replicas = static_cast<uint32_t>(replicas);
-  t.ranks_per_group = static_cast<uint32_t>(per_group);
-  t.elements = net.parameters().size();
-  for (const auto& ti : net.tensors())
-    t.tensors.push_back({ti.name, {ti.shape.begin(), ti.shape.end()}, ti.offset, ti.size});
-  t.config = f.config;
-  t.resumed_from = f.resume ? f.resume->ckpt->step() : 0;
-  return t;
-}
-
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
@@ -218,21 +199,42 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                  c.dir(), c.step(), c.info().meta.replicas, c.info().meta.ranks_per_group,
                  shadow.resume->note.empty() ? "" : "; " + shadow.resume->note);
   }
-  // The shadow is made beside the model, which names its tensors.
+  // The shadow is made beside the model, which names its tensors. With
+  // --checkpointer the shadows live in a process of their own, which the
+  // writing group's ranks stream to.
   std::unique_ptr<actors::shadow_feed> feed;
+  std::unique_ptr<actors::checkpointer_feed> remote;
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto* sup = &agent;
-  auto make_feed = [&](model::model& net) {
+  const bool to_checkpointer = shadow.durable.checkpointer && shadow.durable.writes();
+  auto make_feed = [&](model::model&) -> actors::commit_listener* {
+    actors::checkpointer_feed_options co;
+    co.train = config.train;
+    co.coordinator = j.coordinator_address;
+    co.rank = rank;
+    co.ranks_per_group = static_cast<uint32_t>(size / replicas);
+    co.check = shadow.check;
+    co.every = shadow.durable.every;
+    co.every_time =
+      std::chrono::milliseconds(static_cast<int64_t>(shadow.durable.seconds * 1000.0));
+    remote = std::make_unique<actors::checkpointer_feed>(sys, std::move(co));
+    return remote.get();
+  };
+  auto make_local_feed = [&](model::model& net) -> actors::commit_listener* {
+    if (to_checkpointer)
+      return make_feed(net);
     if (!shadow.on && !shadow.durable.writes())
-      return;
+      return nullptr;
     actors::shadow_options so{config.train, 8, shadow.check, {}};
     if (shadow.durable.writes())
-      so.target = target_of(shadow, net, rank, replicas, size / replicas);
+      so.target = target_of(shadow.durable, shadow.config, net, rank, replicas, size / replicas,
+                            shadow.resume ? shadow.resume->ckpt->step() : 0);
     feed = std::make_unique<actors::shadow_feed>(sys, std::move(so));
+    return feed.get();
   };
-  spawn_blocking(sys, [done, opts, data = *data, sup, rank, &make_feed,
-                       &feed](caf::blocking_actor*) mutable {
+  spawn_blocking(sys, [done, opts, data = *data, sup, rank,
+                       &make_local_feed](caf::blocking_actor*) mutable {
     const auto& d = opts.config.train.device;
     const auto where = d == "cuda"       ? model::compute_device::cuda
                        : d == "emulated" ? model::compute_device::emulated
@@ -242,8 +244,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
       done->set_value(net.error());
       return;
     }
-    make_feed(**net);
-    opts.listener = feed.get();
+    opts.listener = make_local_feed(**net);
     actors::trainer t(opts, std::move(*net), data, *sup, rank);
     done->set_value(t.run());
   });
@@ -282,6 +283,11 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
     if (auto s = feed->drain(result->steps, timeout); !s)
       spdlog::error("rank {}: {}", rank, describe(s.error()));
   }
+  if (remote) {
+    // ... or at least its update reached the checkpointer's shadow.
+    if (auto e = remote->drain(std::chrono::seconds(60)))
+      spdlog::error("rank {}: {}", rank, describe(e));
+  }
   if (result->stopped && rank == 0)
     fmt::print("cmesh: stopped after step {} on request{}\n", result->steps,
                shadow.durable.writes() ? "; --resume latest goes on from there" : "");
@@ -294,6 +300,13 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   print_stats(rank, *step_ms_total, result->verify_ms);
   if (feed)
     print_shadow(rank, *feed, *result);
+  if (remote) {
+    const auto st = remote->stats();
+    fmt::print("cmesh: rank {} checkpointer feed linked={} links={} seeds={} sent={} dropped={} "
+               "acked={} refused={}\n",
+               rank, st.linked, st.links, st.seeds, st.sent, st.dropped, st.acked, st.refused);
+    std::fflush(stdout);
+  }
   // Beacons go on until the job ends, so the coordinator never mistakes a
   // finished rank for a dead one while the others finish. A coordinator
   // that is away is waited for (the agent reconnects to its restart).

@@ -92,6 +92,18 @@ bool published(const std::string& dir) {
   return ::access(join(dir, part_file).c_str(), F_OK) == 0;
 }
 
+/// How long ago a part was published (its part file written).
+std::chrono::milliseconds published_ago(const std::string& dir) {
+  struct stat sb {};
+  if (::stat(join(dir, part_file).c_str(), &sb) != 0)
+    return std::chrono::milliseconds::max();
+  const auto when = std::chrono::system_clock::time_point(
+    std::chrono::duration_cast<std::chrono::system_clock::duration>(
+      std::chrono::seconds(sb.st_mtim.tv_sec) + std::chrono::nanoseconds(sb.st_mtim.tv_nsec)));
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now()
+                                                               - when);
+}
+
 /// The partial directory of a new writer of `step`, claimed for it: the
 /// first of this process's names that no live writer of the process holds
 /// and that is not a published part (a committer's to adopt). Claimed
@@ -465,7 +477,8 @@ caf::error checkpoint_writer::take_part(const std::string& dir, const manifest& 
 }
 
 expected<std::vector<std::string>> remove_own_stale_parts(const std::string& root,
-                                                          uint64_t step) {
+                                                          uint64_t step,
+                                                          std::chrono::milliseconds older_than) {
   auto names = dir_entries(root);
   if (!names)
     return names.error();
@@ -477,7 +490,7 @@ expected<std::vector<std::string>> remove_own_stale_parts(const std::string& roo
     const auto owner = parse_partial_dir(name);
     const auto dir = join(root, name);
     if (!owner || owner->pid != pid || owner->host != host || owner->step >= step
-        || !published(dir) || claim(dir, claim_op::query))
+        || !published(dir) || claim(dir, claim_op::query) || published_ago(dir) < older_than)
       continue;
     if (auto err = remove_tree(dir))
       return err;

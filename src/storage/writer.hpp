@@ -154,9 +154,13 @@ private:
 /// Removes the parts this process published for steps before `step` that
 /// no committer adopted (a committer that died or timed out): a process
 /// whose pid lives is never cleaned up by cleanup_partials, so it cleans
-/// its own. Partial directories of writers still at work are kept. Returns
-/// the directories removed. Errors: unreachable.
-expected<std::vector<std::string>> remove_own_stale_parts(const std::string& root, uint64_t step);
+/// its own. Partial directories of writers still at work are kept, and so
+/// are parts published less than `older_than` ago (a committer may still
+/// be adopting them: give its assemble timeout). Returns the directories
+/// removed. Errors: unreachable.
+expected<std::vector<std::string>> remove_own_stale_parts(
+  const std::string& root, uint64_t step,
+  std::chrono::milliseconds older_than = std::chrono::milliseconds(0));
 
 /// begin, write_shard(k, shards[k]) for each k, commit.
 expected<std::string> write_checkpoint(const std::string& root, checkpoint_meta meta,

@@ -35,6 +35,8 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::token)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::sequenced)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::blob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ack)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ckpt_seed)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ckpt_update)
 
 namespace cmesh {
 

@@ -285,6 +285,49 @@ struct ack {
   bool operator==(const ack&) const = default;
 };
 
+/// The checkpoint stream (actors/checkpointer.hpp): a copy of one shard's
+/// state at a step boundary, from a rank of the writing group to the
+/// checkpointer process. The payload holds the weights, then AdamW's two
+/// moments (`elements` floats each), then `scalars` floats.
+struct ckpt_seed {
+  static constexpr kind_t kind = 36;
+  static constexpr const char* name = "ckpt_seed";
+  static constexpr bool has_bulk = true;
+  uint32_t position = 0; // the shard's position in its group
+  uint64_t link = 0;     // the link it came over (a stale link's messages are dropped)
+  uint64_t step = 0;     // the state is at this step
+  uint64_t elements = 0;
+  uint32_t scalars = 0;
+  bool agreed = false;   // a checkpoint of this step was agreed (commit vote)
+  cmesh::bulk payload;
+  MSGPACK_DEFINE(position, link, step, elements, scalars, agreed)
+  bool operator==(const ckpt_seed& o) const {
+    return position == o.position && link == o.link && step == o.step
+           && elements == o.elements && scalars == o.scalars && agreed == o.agreed
+           && payload.size() == o.payload.size();
+  }
+};
+
+/// The checkpoint stream: one shard's committed update of step `step`
+/// (payload: its floats). `expect`: the trainer's state hash after it, with
+/// the lowest bit set (0: not checked).
+struct ckpt_update {
+  static constexpr kind_t kind = 37;
+  static constexpr const char* name = "ckpt_update";
+  static constexpr bool has_bulk = true;
+  uint32_t position = 0;
+  uint64_t link = 0;
+  uint64_t step = 0;
+  uint64_t expect = 0;
+  bool agreed = false; // a checkpoint of the state after it was agreed
+  cmesh::bulk payload;
+  MSGPACK_DEFINE(position, link, step, expect, agreed)
+  bool operator==(const ckpt_update& o) const {
+    return position == o.position && link == o.link && step == o.step && expect == o.expect
+           && agreed == o.agreed && payload.size() == o.payload.size();
+  }
+};
+
 // -- the registry --------------------------------------------------------------
 
 template <class... Ts>
@@ -295,11 +338,11 @@ using bootstrap_messages = type_list<register_worker, peer_table, report, shutdo
                                      epoch_notice, catchup_assign, replica_divergence>;
 using transport_messages = type_list<heartbeat>;
 /// Kinds that may be sent between actors (what a remote proxy forwards).
-using actor_messages = type_list<token, sequenced, blob, ack>;
+using actor_messages = type_list<token, sequenced, blob, ack, ckpt_seed, ckpt_update>;
 using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected, kv_put,
                                kv_get, kv_value, kv_drop, worker_status, epoch_notice,
                                catchup_assign, replica_divergence, heartbeat, token, sequenced,
-                               blob, ack>;
+                               blob, ack, ckpt_seed, ckpt_update>;
 
 template <class T>
 constexpr bool has_bulk_v = requires { T::has_bulk; };
