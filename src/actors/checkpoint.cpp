@@ -4,6 +4,7 @@
 #include "storage/reader.hpp"
 #include "storage/retention.hpp"
 #include "storage/writer.hpp"
+#include "transport/bulk.hpp"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -215,6 +216,32 @@ void maybe_write(shadow_self* self, bool agreed) {
   S.pending = std::move(copy);
 }
 
+/// Applies step k's committed update when the shadow stands at k (else it
+/// is unseeded: its feed seeds it again), checks it against the trainer's
+/// hash when one came, and writes when a checkpoint is due. False when it
+/// was not applied.
+bool apply_update(shadow_self* self, uint64_t k, std::span<const float> update, uint64_t expect,
+                  bool agreed) {
+  auto& S = self->state;
+  if (!S.st.seeded || k != S.st.step || update.size() != S.params.size()) {
+    S.st.seeded = false;
+    return false;
+  }
+  apply_committed(S.train, S.view(), k, update);
+  ++S.st.step;
+  ++S.st.applied;
+  if (expect != 0) {
+    ++S.st.checked;
+    // The feed sends the hash with its lowest bit set (0 means "no check").
+    if ((hash_state(S.params, S.adam_m, S.adam_v, S.scalars) | 1) != expect) {
+      ++S.st.mismatches;
+      spdlog::error("checkpoint shadow: after step {} its state differs from the trainer's", k);
+    }
+  }
+  maybe_write(self, agreed);
+  return true;
+}
+
 caf::behavior shadow_actor(shadow_self* self, model::train_config train,
                            std::shared_ptr<feed_link> link,
                            std::optional<checkpoint_target> target) {
@@ -241,27 +268,16 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
       maybe_write(self, agreed);
     },
     [=](commit_atom, uint64_t k, std::vector<float>& update, uint64_t expect, bool agreed) {
-      auto& S = self->state;
-      S.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
-      if (!S.st.seeded || k != S.st.step || update.size() != S.params.size()) {
-        // The feed re-seeds it at the next boundary.
-        S.st.seeded = false;
-        return;
-      }
-      apply_committed(S.train, S.view(), k, update);
-      S.link->give_back(std::move(update));
-      ++S.st.step;
-      ++S.st.applied;
-      if (expect != 0) {
-        ++S.st.checked;
-        // The feed sends the hash with its lowest bit set (0 means "no check").
-        if ((hash_state(S.params, S.adam_m, S.adam_v, S.scalars) | 1) != expect) {
-          ++S.st.mismatches;
-          spdlog::error("checkpoint shadow: after step {} its state differs from the trainer's",
-                        k);
-        }
-      }
-      maybe_write(self, agreed);
+      self->state.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
+      if (apply_update(self, k, update, expect, agreed))
+        self->state.link->give_back(std::move(update));
+    },
+    [=](commit_atom, uint64_t k, const bulk& update, uint64_t expect, bool agreed) {
+      // The checkpointer's: applied from the buffer it was received into.
+      self->state.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
+      apply_update(self, k,
+                   {reinterpret_cast<const float*>(update.data()), update.size() / sizeof(float)},
+                   expect, agreed);
     },
     [=](shadow_flush_atom) {
       // A stop's last checkpoint: the state it is at, unless one of that

@@ -41,6 +41,8 @@
 #include "model/config.hpp"
 #include "storage/manifest.hpp"
 
+#include "transport/bulk.hpp"
+
 #include <caf/all.hpp>
 
 #include <atomic>
@@ -49,6 +51,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::bulk)
 
 namespace cmesh::actors {
 
@@ -121,8 +125,10 @@ caf::error write_shard_checkpoint(const checkpoint_target& t, const std::string&
 /// - (shadow_seed_atom, step, params, adam_m, adam_v, scalars, agreed): the
 ///   state at a step boundary (vectors moved in);
 /// - (shadow_commit_atom, k, update, expect, agreed): step k's committed
-///   update, applied when the shadow is at k (else it is dropped and the
-///   shadow is unseeded); `expect` as in shadow_options::check;
+///   update (a std::vector<float>, or a cmesh::bulk of floats: applied from
+///   the buffer it came in), applied when the shadow is at k (else it is
+///   dropped and the shadow is unseeded); `expect` as in
+///   shadow_options::check;
 /// - (shadow_flush_atom): write the state it is at now, unless a
 ///   checkpoint of that step was already due (a stop's last checkpoint);
 /// - status: see shadow_status_of.

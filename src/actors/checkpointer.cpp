@@ -465,12 +465,12 @@ void forward(collector_self* self) {
         continue;
       auto u = std::move(p.queued.front());
       p.queued.pop_front();
-      auto f = floats_of(u.payload);
-      std::vector<float> update(f.begin(), f.end());
       auto to = p.answers;
       const uint64_t k = u.step;
-      self->request(S.shadows[i], caf::infinite, shadow_commit_atom::value, k, std::move(update),
-                    u.expect, false)
+      // The buffer the update was received into goes on as it is: a fresh
+      // vector of its size would fault its pages in, every step.
+      self->request(S.shadows[i], caf::infinite, shadow_commit_atom::value, k,
+                    std::move(u.payload), u.expect, false)
         .then([self, to, k]() { answer(self, to, k, true); });
       ++p.step;
     }
@@ -567,13 +567,19 @@ struct accepted_link {
   uint64_t id = 0;
   std::unique_ptr<transport> net;
   std::unique_ptr<mesh> m;
-  ~accepted_link() {
+  std::chrono::steady_clock::time_point closed_at{};
+  /// Stops it: sends over it fail from now on. The transport object stays
+  /// until the link is destroyed, since the collector may be in the middle
+  /// of a send to the link's proxy on another thread.
+  void close() {
     if (net) {
       net->begin_shutdown();
       net->stop();
     }
     m.reset();
+    closed_at = std::chrono::steady_clock::now();
   }
+  ~accepted_link() { close(); }
 };
 
 } // namespace
@@ -585,6 +591,7 @@ struct checkpointer_state {
   std::vector<caf::actor> shadows;
   caf::actor collector;
   std::vector<std::unique_ptr<accepted_link>> links; // one per position
+  std::vector<std::unique_ptr<accepted_link>> retired; // closed, destroyed a while later
   uint64_t made = 0;
   uint64_t id = fresh_link_id(); // this checkpointer's, in the store
 
@@ -618,8 +625,20 @@ expected<std::unique_ptr<checkpointer>> checkpointer::start(caf::actor_system& s
 checkpointer::checkpointer(std::unique_ptr<checkpointer_state> s) : s_(std::move(s)) {}
 
 checkpointer::~checkpointer() {
-  s_->links.clear();
-  caf::anon_send_exit(s_->collector, caf::exit_reason::user_shutdown);
+  // The links close first (sends over them fail), then the collector ends
+  // before their transports go with the state.
+  for (auto& l : s_->links)
+    if (l)
+      l->close();
+  {
+    caf::scoped_actor self{*s_->sys};
+    self->monitor(s_->collector);
+    self->send_exit(s_->collector, caf::exit_reason::user_shutdown);
+    self->receive([](const caf::down_msg&) {},
+                  caf::after(std::chrono::seconds(10)) >> [] {
+                    spdlog::warn("checkpointer: the collector did not end within 10 s");
+                  });
+  }
   for (auto& sh : s_->shadows)
     caf::anon_send_exit(sh, caf::exit_reason::user_shutdown);
 }
@@ -629,6 +648,9 @@ uint64_t checkpointer::links_made() const {
 }
 
 caf::error checkpointer::poll_links() {
+  std::erase_if(s_->retired, [](const auto& l) {
+    return std::chrono::steady_clock::now() - l->closed_at > std::chrono::seconds(10);
+  });
   for (uint32_t p = 0; p < s_->links.size(); ++p) {
     auto v = s_->store.kv_get(checkpointer_link_key(p), std::chrono::milliseconds(1));
     if (!v) {
@@ -667,7 +689,11 @@ caf::error checkpointer::poll_links() {
     if (auto e = s_->store.kv_put(checkpointer_accept_key(p, req->link), L->net->address()))
       return e;
     spdlog::info("checkpointer: rank {} feeds position {} (link {})", req->rank, p, req->link);
-    s_->links[p] = std::move(L); // the previous one is closed
+    if (s_->links[p]) {
+      s_->links[p]->close();
+      s_->retired.push_back(std::move(s_->links[p]));
+    }
+    s_->links[p] = std::move(L);
     ++s_->made;
   }
   return {};
