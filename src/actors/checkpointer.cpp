@@ -357,20 +357,33 @@ void checkpointer_feed::committed(uint64_t k, std::span<const float> update,
 
 caf::error checkpointer_feed::drain(std::chrono::milliseconds timeout) {
   const auto until = std::chrono::steady_clock::now() + timeout;
+  // Updates held back for another position (whose rank died) are never
+  // answered: give up once nothing was answered for a while.
+  constexpr auto quiet_max = std::chrono::seconds(5);
+  uint64_t acked = 0;
+  auto last_progress = std::chrono::steady_clock::now();
   for (;;) {
     auto L = current();
     if (!L || !writer_ || L->c->in_flight.load() <= 0)
       return {};
+    const auto now = std::chrono::steady_clock::now();
+    if (L->c->acked.load() != acked) {
+      acked = L->c->acked.load();
+      last_progress = now;
+    }
     if (!L->alive())
       return make_error(errc::peer_lost,
                         fmt::format("rank {}: the checkpointer's link died with {} message(s) "
                                     "unanswered",
                                     o_.rank, L->c->in_flight.load()));
-    if (std::chrono::steady_clock::now() > until)
+    if (now > until || now - last_progress > quiet_max)
       return make_error(errc::timeout,
                         fmt::format("rank {}: {} message(s) to the checkpointer unanswered "
-                                    "after {} ms",
-                                    o_.rank, L->c->in_flight.load(), timeout.count()));
+                                    "(none answered for {} ms)",
+                                    o_.rank, L->c->in_flight.load(),
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                                      now - last_progress)
+                                      .count()));
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }

@@ -106,7 +106,9 @@ public:
 
   /// Waits until every message sent was answered (the last step reached
   /// the checkpointer's shadow before the rank exits), or this rank does
-  /// not feed. Errors: timeout.
+  /// not feed. Errors: timeout (also when none was answered for 5 s:
+  /// updates held back for a position whose rank died never are),
+  /// peer_lost.
   caf::error drain(std::chrono::milliseconds timeout);
 
   checkpointer_feed_stats stats() const;
