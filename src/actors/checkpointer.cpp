@@ -177,6 +177,9 @@ expected<std::shared_ptr<checkpointer_link>> make_link(caf::actor_system& sys,
                       fmt::format("no checkpointer answered rank {}'s link request in {} ms "
                                   "(is `cmesh checkpointer` running?): {}",
                                   o.rank, o.link_timeout.count(), describe(answer.error())));
+  // The store is bounded: the answer's key goes once read.
+  if (auto e = store.kv_drop(checkpointer_accept_key(position, L->id)))
+    spdlog::warn("checkpointer feed: rank {}: {}", o.rank, describe(e));
   wire::peer_entry peer;
   peer.rank = checkpointer_rank;
   peer.ucx_address = *answer;
