@@ -311,9 +311,8 @@ shadow_feed::shadow_feed(caf::actor_system& sys, shadow_options o)
   if (o_.target) {
     clock_.every = o_.target->every;
     clock_.every_time = o_.target->every_time;
-  }
-  if (o_.target)
     writer_ = o_.target->rank / std::max<uint32_t>(1, o_.target->ranks_per_group) == 0;
+  }
   caf::anon_send(shadow_, writer_atom::value, writer_);
 }
 

@@ -40,7 +40,6 @@
 #include "actors/trainer.hpp"
 #include "model/config.hpp"
 #include "storage/manifest.hpp"
-
 #include "transport/bulk.hpp"
 
 #include <caf/all.hpp>

@@ -1,6 +1,5 @@
 #include "actors/checkpointer.hpp"
 
-#include "core/process.hpp"
 #include "core/spawn.hpp"
 #include "transport/mesh.hpp"
 
@@ -11,7 +10,6 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
-#include <map>
 #include <set>
 
 namespace cmesh::actors {
@@ -58,9 +56,9 @@ expected<link_request> unpack_request(const wire::bytes& b) {
   }
 }
 
-/// A fresh id for a link: the wall clock in ns, which no earlier request of
-/// any rank has (requests of one position are made one at a time).
-uint64_t fresh_link_id() {
+/// A fresh id for a link or a checkpointer: the wall clock in ns, which no
+/// earlier one has (requests of one position are made one at a time).
+uint64_t fresh_id() {
   return static_cast<uint64_t>(
     std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::system_clock::now().time_since_epoch())
@@ -73,6 +71,49 @@ std::span<const float> floats_of(const bulk& b) {
 
 } // namespace
 
+/// One end of a link: a two-process transport and the mesh over it.
+struct link_io {
+  uint64_t id = 0;
+  std::unique_ptr<transport> net;
+  std::unique_ptr<mesh> m;
+  std::chrono::steady_clock::time_point closed_at{};
+
+  /// This end as `self` (checkpointer_rank or feeder_rank), with `a`
+  /// published under `name`: before the transport starts, so nothing that
+  /// arrives finds it missing.
+  caf::error open(caf::actor_system& sys, uint32_t self, const transport_options& o,
+                  const std::string& name, const caf::actor& a, mesh::dispatch how) {
+    auto t = transport::create(self, o);
+    if (!t)
+      return t.error();
+    net = std::move(*t);
+    m = std::make_unique<mesh>(sys, *net);
+    m->publish(name, a, how);
+    return {};
+  }
+  /// Connects to the other end's address and starts.
+  caf::error dial(uint32_t peer_rank, const wire::bytes& address) {
+    wire::peer_entry peer;
+    peer.rank = peer_rank;
+    peer.ucx_address = address;
+    if (auto e = net->connect({peer}))
+      return e;
+    return net->start();
+  }
+  /// Stops it: sends over it fail from now on. The transport object stays
+  /// until the link is destroyed, since another thread may be in the middle
+  /// of a send to the link's proxy.
+  void close() {
+    if (net) {
+      net->begin_shutdown();
+      net->stop();
+    }
+    m.reset();
+    closed_at = std::chrono::steady_clock::now();
+  }
+  ~link_io() { close(); }
+};
+
 // -- the feed (a worker) ---------------------------------------------------------
 
 /// What the answers of one link say (shared with the actor that takes them,
@@ -83,30 +124,27 @@ struct link_counters {
   std::atomic<uint64_t> acked{0}, refusals{0};
 };
 
-/// One link: its transport and mesh, the collector's proxy, and what the
-/// answers say.
-struct checkpointer_link {
-  uint64_t id = 0;
+/// The feed's link: the collector's proxy, and what the answers say.
+struct checkpointer_link : link_io {
   uint64_t checkpointer = 0; // the id of the checkpointer it links to
-  std::unique_ptr<transport> net;
-  std::unique_ptr<mesh> m;
   caf::actor collector; // the checkpointer's, over this link
   caf::actor answers;   // ours, published as "feed"
   std::shared_ptr<link_counters> c = std::make_shared<link_counters>();
 
   bool alive() const { return net && net->peer_alive(checkpointer_rank); }
   ~checkpointer_link() {
-    if (net) {
-      net->begin_shutdown();
-      net->stop();
-    }
-    m.reset();
+    close();
     if (answers)
       caf::anon_send_exit(answers, caf::exit_reason::user_shutdown);
   }
 };
 
 namespace {
+
+/// The shard position a feed streams.
+uint32_t position_of(const checkpointer_feed_options& o) {
+  return o.rank % std::max<uint32_t>(1, o.ranks_per_group);
+}
 
 /// The id of the checkpointer running now, from the store (waiting up to
 /// `wait` for one to start). Errors: timeout, closed, malformed_frame.
@@ -130,13 +168,8 @@ expected<uint64_t> checkpointer_id_of(coordinator_client& store, std::chrono::mi
 expected<std::shared_ptr<checkpointer_link>> make_link(caf::actor_system& sys,
                                                        coordinator_client& store,
                                                        const checkpointer_feed_options& o) {
-  const uint32_t position = o.rank % std::max<uint32_t>(1, o.ranks_per_group);
+  const uint32_t position = position_of(o);
   auto L = std::make_shared<checkpointer_link>();
-  auto net = transport::create(feeder_rank, o.transport);
-  if (!net)
-    return net.error();
-  L->net = std::move(*net);
-  L->m = std::make_unique<mesh>(sys, *L->net);
   L->answers = spawn_event_based(sys, [c = L->c](caf::event_based_actor*) -> caf::behavior {
     return {[c](const wire::ack& a) {
       c->in_flight.fetch_sub(1, std::memory_order_relaxed);
@@ -147,13 +180,15 @@ expected<std::shared_ptr<checkpointer_link>> make_link(caf::actor_system& sys,
       }
     }};
   });
-  L->m->publish("feed", L->answers, mesh::dispatch::transport);
+  if (auto e = L->open(sys, feeder_rank, o.transport, "feed", L->answers,
+                       mesh::dispatch::transport))
+    return e;
   // The checkpointer running now (one started after a death has a new id).
   auto who = checkpointer_id_of(store, o.link_timeout);
   if (!who)
     return who.error();
   const uint64_t checkpointer_id = *who;
-  L->id = fresh_link_id();
+  L->id = fresh_id();
   L->checkpointer = checkpointer_id;
   if (auto e = store.kv_put(checkpointer_link_key(position),
                             pack_request({checkpointer_id, L->id, o.rank, L->net->address()})))
@@ -180,12 +215,7 @@ expected<std::shared_ptr<checkpointer_link>> make_link(caf::actor_system& sys,
   // The store is bounded: the answer's key goes once read.
   if (auto e = store.kv_drop(checkpointer_accept_key(position, L->id)))
     spdlog::warn("checkpointer feed: rank {}: {}", o.rank, describe(e));
-  wire::peer_entry peer;
-  peer.rank = checkpointer_rank;
-  peer.ucx_address = *answer;
-  if (auto e = L->net->connect({peer}))
-    return e;
-  if (auto e = L->net->start())
+  if (auto e = L->dial(checkpointer_rank, *answer))
     return e;
   L->collector = L->m->remote(checkpointer_rank, "collector");
   return L;
@@ -317,7 +347,7 @@ void checkpointer_feed::at_boundary(const train_state& st) {
   std::memcpy(out + 2 * n, st.adam_v.data(), n * sizeof(float));
   std::memcpy(out + 3 * n, st.scalars.data(), st.scalars.size() * sizeof(float));
   wire::ckpt_seed m;
-  m.position = o_.rank % std::max<uint32_t>(1, o_.ranks_per_group);
+  m.position = position_of(o_);
   m.link = L->id;
   m.step = st.step;
   m.elements = n;
@@ -344,7 +374,7 @@ void checkpointer_feed::committed(uint64_t k, std::span<const float> update,
     return;
   }
   wire::ckpt_update m;
-  m.position = o_.rank % std::max<uint32_t>(1, o_.ranks_per_group);
+  m.position = position_of(o_);
   m.link = L->id;
   m.step = k;
   m.expect =
@@ -439,6 +469,17 @@ void answer(collector_self* self, const caf::actor& to, uint64_t step, bool ok) 
     self->send(to, wire::ack{step, ok ? 1u : 0u});
 }
 
+/// Tells every shadow to write the step they all stand at, unless they were
+/// told already or it is the step resumed from.
+void tell_write(collector_self* self, uint64_t step) {
+  auto& S = self->state;
+  if (step <= S.last_told || step <= S.target.resumed_from)
+    return;
+  S.last_told = step;
+  for (auto& sh : S.shadows)
+    self->send(sh, shadow_flush_atom::value);
+}
+
 /// Tells every shadow to write the step they all stand at, when one is due
 /// there: every K steps, the run's last step, or a step the vote agreed on.
 void maybe_write_whole(collector_self* self, uint64_t step) {
@@ -447,11 +488,8 @@ void maybe_write_whole(collector_self* self, uint64_t step) {
   const bool due = (t.every > 0 && step % t.every == 0) || step == S.last_steps
                    || S.agreed.count(step) > 0;
   S.agreed.erase(S.agreed.begin(), S.agreed.upper_bound(step));
-  if (!due || step <= S.last_told || step <= t.resumed_from)
-    return;
-  S.last_told = step;
-  for (auto& sh : S.shadows)
-    self->send(sh, shadow_flush_atom::value);
+  if (due)
+    tell_write(self, step);
 }
 
 /// Passes the positions' queued updates to their shadows, up to the step
@@ -568,35 +606,11 @@ caf::behavior collector_actor(collector_self* self, std::vector<caf::actor> shad
       if (out[0] == 0)
         return out;
       out[1] = out[2];
-      if (out[1] > S.last_told && out[1] > S.target.resumed_from) {
-        S.last_told = out[1];
-        for (auto& sh : S.shadows)
-          self->send(sh, shadow_flush_atom::value);
-      }
+      tell_write(self, out[1]);
       return out;
     },
   };
 }
-
-/// One link as the checkpointer holds it.
-struct accepted_link {
-  uint64_t id = 0;
-  std::unique_ptr<transport> net;
-  std::unique_ptr<mesh> m;
-  std::chrono::steady_clock::time_point closed_at{};
-  /// Stops it: sends over it fail from now on. The transport object stays
-  /// until the link is destroyed, since the collector may be in the middle
-  /// of a send to the link's proxy on another thread.
-  void close() {
-    if (net) {
-      net->begin_shutdown();
-      net->stop();
-    }
-    m.reset();
-    closed_at = std::chrono::steady_clock::now();
-  }
-  ~accepted_link() { close(); }
-};
 
 } // namespace
 
@@ -606,10 +620,10 @@ struct checkpointer_state {
   coordinator_client store;
   std::vector<caf::actor> shadows;
   caf::actor collector;
-  std::vector<std::unique_ptr<accepted_link>> links; // one per position
-  std::vector<std::unique_ptr<accepted_link>> retired; // closed, destroyed a while later
+  std::vector<std::unique_ptr<link_io>> links; // one per position
+  std::vector<std::unique_ptr<link_io>> retired; // closed, destroyed a while later
   uint64_t made = 0;
-  uint64_t id = fresh_link_id(); // this checkpointer's, in the store
+  uint64_t id = fresh_id(); // this checkpointer's, in the store
 
   explicit checkpointer_state(coordinator_client c) : store(std::move(c)) {}
 };
@@ -681,23 +695,15 @@ caf::error checkpointer::poll_links() {
     }
     if (req->checkpointer != s_->id || (s_->links[p] && s_->links[p]->id == req->link))
       continue; // for a checkpointer that is gone, or linked already
-    auto L = std::make_unique<accepted_link>();
+    auto L = std::make_unique<link_io>();
     L->id = req->link;
-    auto net = transport::create(checkpointer_rank, s_->o.transport);
-    if (!net)
-      return net.error();
-    L->net = std::move(*net);
-    L->m = std::make_unique<mesh>(*s_->sys, *L->net);
-    L->m->publish("collector", s_->collector);
-    wire::peer_entry peer;
-    peer.rank = feeder_rank;
-    peer.ucx_address = req->address;
-    if (auto e = L->net->connect({peer})) {
+    if (auto e = L->open(*s_->sys, checkpointer_rank, s_->o.transport, "collector",
+                         s_->collector, mesh::dispatch::scheduled))
+      return e;
+    if (auto e = L->dial(feeder_rank, req->address)) {
       spdlog::error("checkpointer: rank {}'s link: {}", req->rank, describe(e));
       continue;
     }
-    if (auto e = L->net->start())
-      return e;
     // The collector takes the link's messages from now on (the actor's
     // mailbox keeps this before any message the link brings).
     caf::anon_send(s_->collector, link_atom::value, p, req->link,

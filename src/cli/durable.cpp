@@ -24,7 +24,7 @@ actors::checkpoint_target target_of(const durable_flags& f, const config_list& c
   actors::checkpoint_target t;
   t.roots = f.roots();
   t.every = f.every;
-  t.every_time = std::chrono::milliseconds(static_cast<int64_t>(f.seconds * 1000.0));
+  t.every_time = f.every_time();
   t.keep_last = f.keep_last;
   t.keep_every = f.keep_every;
   t.rank = rank;

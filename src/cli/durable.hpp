@@ -9,6 +9,7 @@
 #include "core/job_config.hpp"
 #include "storage/reader.hpp"
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -26,6 +27,9 @@ struct durable_flags {
   std::string resume;     // --resume: "", a directory, or "latest"
   bool checkpointer = false; // --checkpointer: a process of its own writes (actors/checkpointer.hpp)
   bool writes() const { return !dir.empty() || !shared.empty(); }
+  std::chrono::milliseconds every_time() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+  }
   /// The tiers, in order.
   std::vector<std::string> roots() const;
 };

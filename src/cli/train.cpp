@@ -207,23 +207,19 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto* sup = &agent;
-  const bool to_checkpointer = shadow.durable.checkpointer && shadow.durable.writes();
-  auto make_feed = [&](model::model&) -> actors::commit_listener* {
-    actors::checkpointer_feed_options co;
-    co.train = config.train;
-    co.coordinator = j.coordinator_address;
-    co.rank = rank;
-    co.ranks_per_group = static_cast<uint32_t>(size / replicas);
-    co.check = shadow.check;
-    co.every = shadow.durable.every;
-    co.every_time =
-      std::chrono::milliseconds(static_cast<int64_t>(shadow.durable.seconds * 1000.0));
-    remote = std::make_unique<actors::checkpointer_feed>(sys, std::move(co));
-    return remote.get();
-  };
-  auto make_local_feed = [&](model::model& net) -> actors::commit_listener* {
-    if (to_checkpointer)
-      return make_feed(net);
+  auto make_listener = [&](model::model& net) -> actors::commit_listener* {
+    if (shadow.durable.checkpointer && shadow.durable.writes()) {
+      actors::checkpointer_feed_options co;
+      co.train = config.train;
+      co.coordinator = j.coordinator_address;
+      co.rank = rank;
+      co.ranks_per_group = static_cast<uint32_t>(size / replicas);
+      co.check = shadow.check;
+      co.every = shadow.durable.every;
+      co.every_time = shadow.durable.every_time();
+      remote = std::make_unique<actors::checkpointer_feed>(sys, std::move(co));
+      return remote.get();
+    }
     if (!shadow.on && !shadow.durable.writes())
       return nullptr;
     actors::shadow_options so{config.train, 8, shadow.check, {}};
@@ -234,7 +230,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
     return feed.get();
   };
   spawn_blocking(sys, [done, opts, data = *data, sup, rank,
-                       &make_local_feed](caf::blocking_actor*) mutable {
+                       &make_listener](caf::blocking_actor*) mutable {
     const auto& d = opts.config.train.device;
     const auto where = d == "cuda"       ? model::compute_device::cuda
                        : d == "emulated" ? model::compute_device::emulated
@@ -244,7 +240,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
       done->set_value(net.error());
       return;
     }
-    opts.listener = make_local_feed(**net);
+    opts.listener = make_listener(**net);
     actors::trainer t(opts, std::move(*net), data, *sup, rank);
     done->set_value(t.run());
   });
