@@ -622,6 +622,7 @@ struct checkpointer_state {
   caf::actor collector;
   std::vector<std::unique_ptr<link_io>> links; // one per position
   std::vector<std::unique_ptr<link_io>> retired; // closed, destroyed a while later
+  std::vector<uint64_t> failed; // per position: the request that could not be linked
   uint64_t made = 0;
   uint64_t id = fresh_id(); // this checkpointer's, in the store
 
@@ -649,6 +650,7 @@ expected<std::unique_ptr<checkpointer>> checkpointer::start(caf::actor_system& s
   }
   s->collector = sys.spawn(collector_actor, s->shadows, s->o.target, s->o.train.steps);
   s->links.resize(S);
+  s->failed.resize(S, 0);
   return std::unique_ptr<checkpointer>(new checkpointer(std::move(s)));
 }
 
@@ -693,15 +695,19 @@ caf::error checkpointer::poll_links() {
       spdlog::error("checkpointer: {}", describe(req.error()));
       continue;
     }
-    if (req->checkpointer != s_->id || (s_->links[p] && s_->links[p]->id == req->link))
-      continue; // for a checkpointer that is gone, or linked already
+    if (req->checkpointer != s_->id || (s_->links[p] && s_->links[p]->id == req->link)
+        || s_->failed[p] == req->link)
+      continue; // for a checkpointer that is gone, linked already, or tried in vain
     auto L = std::make_unique<link_io>();
     L->id = req->link;
     if (auto e = L->open(*s_->sys, checkpointer_rank, s_->o.transport, "collector",
                          s_->collector, mesh::dispatch::scheduled))
       return e;
     if (auto e = L->dial(feeder_rank, req->address)) {
+      // Its rank died after asking: tried once, not at every poll (each
+      // try makes a UCP context); the rank's next request has a new id.
       spdlog::error("checkpointer: rank {}'s link: {}", req->rank, describe(e));
+      s_->failed[p] = req->link;
       continue;
     }
     // The collector takes the link's messages from now on (the actor's
