@@ -518,9 +518,8 @@ expected<launch_setup> prepare_launch(const job_options& job) {
 /// outlives the workers, so when every worker is lost it writes the last
 /// step they all committed before the next attempt resumes from it.
 struct launched_checkpointer {
-  child_process proc;
+  child_process proc; // pid() <= 0: none was started (no --checkpointer)
   uint32_t restarts = 0;
-  bool wanted = false;
 
   /// Errors: a line for the launcher (it could not be started).
   std::string start(const std::string& exe, const job_options& job, const std::string& address,
@@ -541,7 +540,7 @@ struct launched_checkpointer {
   /// one and seed it), up to --max-restarts. Errors: a reason to end the job.
   std::string keep(const std::string& exe, const job_options& job, const std::string& address,
                    actors::supervisor& sup, double t) {
-    if (!wanted || proc.pid() <= 0)
+    if (proc.pid() <= 0)
       return {};
     auto st = proc.poll();
     if (!st)
@@ -658,9 +657,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
     return true;
   };
   launched_checkpointer checkpointer;
-  checkpointer.wanted =
-    job.job == "train" && job.supervise.durable.checkpointer && job.supervise.durable.writes();
-  if (checkpointer.wanted)
+  if (job.job == "train" && job.supervise.durable.checkpointer && job.supervise.durable.writes())
     if (auto e = checkpointer.start(exe, job, address, sup.get()); !e.empty()) {
       fail_line(e);
       return 3;
