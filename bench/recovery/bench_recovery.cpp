@@ -27,7 +27,7 @@
 // is lent for: there a survivor's serving thread and the joiner each have a
 // core of their own, beside the trainers'); --latency-only: part 1 alone;
 // --stops-only: its SIGSTOP table alone.
-#include "actors/agent.hpp"
+#include "actors/supervisor.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "common/launch.hpp"
 #include "core/env.hpp"
@@ -175,7 +175,7 @@ bcast_rate broadcast_gbps(size_t bytes, bool transfer) {
   const membership m{1, {0, 1}};
   auto alive = [](uint32_t) { return caf::error{}; };
   host_options o;
-  o.chunk_bytes = cmesh::actors::agent_options{}.catchup_chunk_bytes;
+  o.chunk_bytes = cmesh::actors::supervisor_options{}.catchup_chunk_bytes;
   o.shared_memory_ring = false; // catch-up does not use it
   auto ca = make_host_communicator(*a, m, addresses, alive, o);
   auto cb = make_host_communicator(*b, m, addresses, alive, o);
@@ -366,7 +366,7 @@ void stop_latency_table(int stops, uint64_t seed) {
     }
   }
   fmt::print("\nstop->lost is the heartbeat timeout, less the time since the rank's last\n"
-             "beacon (up to 100 ms), plus the supervisor's tick; lost->commit is about what\n"
+             "beacon (up to 100 ms), plus the epoch manager's tick; lost->commit is about what\n"
              "a SIGKILL costs (part 1). One epoch announced per stop means the silence cost\n"
              "no extra re-formed epoch.\n\n");
 }

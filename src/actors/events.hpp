@@ -10,7 +10,7 @@
 //
 // Writing never blocks the caller: emit() and print() stamp and format the
 // line, then queue it (bounded) for a writer thread of the log's own. The
-// supervisor emits while it holds its lock; a write that the kernel throttles
+// epoch manager emits while it holds its lock; a write that the kernel throttles
 // (a slow disk, a full pipe on stdout) used to stall its decisions with it.
 // When the queue is full a line is dropped and counted, and the writer says
 // how many at its next write ("events_dropped").

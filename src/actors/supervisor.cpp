@@ -1,635 +1,678 @@
 #include "actors/supervisor.hpp"
 
+#include "core/check.hpp"
 #include "core/env.hpp"
+#include "core/pages.hpp"
+#ifdef CMESH_HAVE_NCCL
+#include "collectives/nccl/nccl_communicator.hpp"
+#endif
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
 #include <condition_variable>
-#include <limits>
+#include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <thread>
+#include <cstring>
+#include <cerrno>
+#include <unistd.h>
 
 namespace cmesh::actors {
 
 namespace {
 
-int64_t now_ms() {
-  return mono_ns() / 1000000;
+using clock_type = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr uint64_t catchup_epoch_base = uint64_t{1} << 15;
+
+bool includes(const wire::epoch_notice& n, uint32_t rank, uint64_t incarnation) {
+  for (size_t i = 0; i < n.ranks.size(); ++i)
+    if (n.ranks[i] == rank && (i >= n.incarnations.size() || n.incarnations[i] == incarnation))
+      return true;
+  return false;
 }
 
-constexpr int64_t long_ago = std::numeric_limits<int64_t>::min() / 4;
+/// The catch-up's bulk broadcasts, which both peers are already in: polled
+/// without the naps its communicators take while they wait for a step.
+const coll::op_options transfer_op = [] {
+  coll::op_options o;
+  o.transfer = true;
+  return o;
+}();
 
-/// The ranks of groups `gs` (S ranks each, group g holds g*S .. g*S+S-1).
-std::vector<uint32_t> ranks_of(const std::vector<uint32_t>& gs, uint32_t S) {
-  std::vector<uint32_t> out;
-  for (auto g : gs)
-    for (uint32_t p = 0; p < S; ++p)
-      out.push_back(g * S + p);
-  return out;
-}
-
-/// The ranks of the groups of members `ms`.
-std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms, uint32_t S) {
-  std::vector<uint32_t> gs;
-  for (auto& m : ms)
-    gs.push_back(m.group);
-  return ranks_of(gs, S);
+bool has_rank(const wire::epoch_notice& n, uint32_t rank) {
+  return std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end();
 }
 
 } // namespace
 
-struct supervisor::impl {
-  /// What the supervisor knows of one rank's newest incarnation.
-  struct worker {
-    uint64_t incarnation = 0;
-    bool connected = false;
-    int64_t last_ms = long_ago;
-    bool has_status = false;
-    wire::worker_status st;
-    int64_t ready_since_ms = 0; // 0: not ready
-    uint64_t assigned_session = 0;
-    bool lost_reported = false;
-    int64_t lost_ms = 0; // when it was found dead
-    std::string lost_why; // and how ("disconnected", "silent for more than ...")
-    int64_t broken_since_ms = 0; // when it reported st.broken_epoch broken
-    int64_t registered_ms = 0;
-  };
+uint64_t catchup_epoch(uint64_t session) {
+  return catchup_epoch_base + session % catchup_epoch_base;
+}
 
-  coordinator& coord;
+/// A catch-up snapshot's buffers: params, adam_m, adam_v, scalars
+/// (train_state's order) as parts of one mapping, each on a cache line. On
+/// huge pages a small model's whole state is then a single page fault
+/// where four arrays were hundreds (2 MB: 5.5 ms of faults on these VMs).
+struct snapshot_buffers {
+  std::array<std::span<float>, 4> parts;
+  page_array memory;
+
+  static snapshot_buffers sized(const std::array<size_t, 4>& n, page_array::pages kind) {
+    constexpr size_t align = 16; // floats
+    auto up = [](size_t x) { return (x + align - 1) / align * align; };
+    size_t total = 0;
+    for (size_t x : n)
+      total += up(x);
+    snapshot_buffers b;
+    b.memory = page_array(total, kind);
+    size_t at = 0;
+    for (size_t i = 0; i < n.size(); ++i) {
+      b.parts[i] = {b.memory.data() + at, n[i]};
+      at += up(n[i]);
+    }
+    return b;
+  }
+};
+
+/// One joiner this rank serves.
+struct session {
+  wire::catchup_assign assign;
+  bool want_snapshot = true;  // until at_boundary copies it
+  bool end = false;           // the stream's last update is queued
+  bool broken = false;        // cut off, or failed
+  uint64_t snap_step = 0;
+  snapshot_buffers snap;
+  void drop_state() { snap = {}; }
+  std::deque<std::pair<uint64_t, std::vector<float>>> queue;
+  std::unique_ptr<coll::communicator> comm; // from prepared until the stream ends
+  std::thread thread;
+  /// Buffers allocated and the communicator built (the serving thread sets
+  /// comm last; it is reset only after the snapshot was sent).
+  bool prepared() const { return comm != nullptr; }
+};
+using session_ptr = std::shared_ptr<session>;
+
+struct supervisor::impl {
   supervisor_options o;
-  std::shared_ptr<event_log> log;
+  std::shared_ptr<coordinator_client> client_; // guarded by mu
+  std::shared_ptr<coll::host_context> ctx;
+  std::optional<wire::report> done_report;     // re-sent after a reconnect
+  bool connected = true;
 
   mutable std::mutex mu;
   std::condition_variable cv;
   bool stopping = false;
-  bool dirty = true;
-  std::map<uint32_t, worker> workers;
-  recovery::epoch current; // its members are replica groups
-  /// The ranks of the current epoch and their incarnations. A group's
-  /// incarnation is the newest of its ranks': a restarted rank makes its
-  /// whole group a new member.
-  std::map<uint32_t, uint64_t> member_ranks;
-  recovery::quorum_decision last;
-  int64_t waiting_since_ms = 0; // a broken epoch waiting for a quorum, since
-  int64_t adopt_seen_ms = 0;    // a restarted coordinator first heard of a running epoch
-  std::optional<std::string> failed;
-  uint64_t next_session = 0;
-  std::optional<std::pair<uint32_t, uint32_t>> newest_catchup; // (joiner, source)
-  int64_t epoch_started_ms = 0;
-  uint64_t max_member_step = 0;
-  uint64_t epoch_base_step = 0;
-  bool first_commit_seen = true;
-  int64_t unresolved_failure_ms = 0; // the first failure no commit followed yet
-  supervisor::recovery_summary stats;
-  uint32_t reforms_in_a_row = 0; // broken epochs re-formed with no commit since
-  /// The epoch before the current one, when the current one left nobody
-  /// out of it (a grow or a re-form; 0 otherwise): its members may still
-  /// run it until their agreed switch.
-  uint64_t kept_everyone_of = 0;
-  /// The current epoch's notice aborts the one before (it said so when it
-  /// was announced, or went again to say so).
-  bool aborts_previous = false;
-  int64_t all_silent_since_ms = 0; // every connected member silent at once, since
-  uint64_t divergence_step_seen = UINT64_MAX; // the last divergence report acted on
-  uint64_t divergence_epoch_seen = 0;
-  std::thread thread;
-
-  impl(coordinator& c, supervisor_options opts, std::shared_ptr<event_log> l)
-      : coord(c), o(std::move(opts)), log(std::move(l)) {}
-
-  uint32_t S() const { return std::max<uint32_t>(1, o.ranks_per_group); }
-
-  /// A member lost, or a step failed: the survivors' next commit ends it.
-  void failure_at(int64_t now) {
-    if (unresolved_failure_ms == 0)
-      unresolved_failure_ms = now;
+  std::optional<wire::epoch_notice> newest; // the newest non-failing epoch
+  std::optional<wire::epoch_notice> failed; // the coordinator gave up
+  std::optional<wire::catchup_assign> join; // the newest assignment as joiner
+  uint64_t join_source_losses = 0;          // lost_count[join->source] when it came
+  std::map<uint32_t, uint64_t> lost;        // rank -> the epoch it was lost in
+  std::map<uint32_t, uint64_t> lost_count;  // rank -> losses heard of (any incarnation)
+  uint64_t join_done = 0;                   // sessions handled as joiner up to here
+  std::unique_ptr<coll::communicator> comm; // the current epoch's
+  /// Parts of the current epoch (a replica group; a shard's holders), each
+  /// on a host context of its own, built lazily.
+  std::array<std::shared_ptr<coll::host_context>, 2> part_ctx;
+  std::array<std::unique_ptr<coll::communicator>, 2> parts;
+  /// The epoch's communicators over device memory (device_communicator,
+  /// slots as for parts), and the epoch each belongs to.
+  std::array<std::unique_ptr<coll::communicator>, 2> devs;
+  std::array<uint64_t, 2> dev_epochs{};
+  std::array<std::shared_ptr<coll::host_context>, 2> dev_ctx; // device_kind::host
+  std::atomic<bool> dev_abort{false}; // stops an NCCL creation in progress
+  /// Aborts the current epoch's communicator and its parts (mu held).
+  /// Puts `epoch` and why it broke here into the beacon (the caller holds
+  /// `mu` and sends it). The reason is cut to a beacon's size.
+  void note_broken(uint64_t epoch, const std::string& why) {
+    status.broken_epoch = epoch;
+    status.broken_reason = why.substr(0, 240);
   }
-
-  bool is_member(uint32_t rank, uint64_t inc) const {
-    auto it = member_ranks.find(rank);
-    return it != member_ranks.end() && it->second == inc;
+  void abort_epoch(const caf::error& why) {
+    if (comm)
+      comm->abort(why);
+    for (auto& p : parts)
+      if (p)
+        p->abort(why);
+    for (auto& d : devs)
+      if (d)
+        d->abort(why);
+    dev_abort.store(true);
   }
-
-  /// Makes `e` current; its groups' ranks with their present incarnations.
-  void set_current(recovery::epoch e) {
-    current = std::move(e);
-    member_ranks.clear();
-    for (auto r : ranks_of(current.members, S()))
-      member_ranks[r] = workers[r].incarnation;
-  }
-
-  void on_event(const worker_event& ev);
-  void on_divergence(uint32_t rank, const wire::replica_divergence& d, int64_t now);
-  void fail_job(const std::string& reason);
-  void run();
-  void decide(int64_t now);
-  bool adopt(int64_t now);
-  void assign_catch_ups(int64_t now);
-  void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
-
-  /// The notice of the current epoch: its ranks and their incarnations.
-  wire::epoch_notice current_notice(std::string reason) const {
-    wire::epoch_notice n;
-    n.epoch = current.id;
-    n.reason = std::move(reason);
-    for (auto& [rank, inc] : member_ranks) {
-      n.ranks.push_back(rank);
-      n.incarnations.push_back(inc);
+  coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
+  uint32_t join_source = 0;
+  uint64_t join_losses_before = 0;          // lost_count[join_source] when it began
+  std::map<uint64_t, session_ptr> sessions; // as source, by session id
+  /// A catch-up context made at start-up, so that neither a source nor a
+  /// joiner creates a UCP context (20-80 ms of CPU on these machines) while
+  /// training runs beside it. Taken by one session at a time, given back
+  /// after a clean end (a failed session's worker may hold a dead peer's
+  /// leftovers, so it is dropped: it keeps no spare worker).
+  std::shared_ptr<coll::host_context> spare_catchup_ctx;
+  expected<std::shared_ptr<coll::host_context>> take_catchup_ctx() {
+    {
+      std::lock_guard lk(mu);
+      if (spare_catchup_ctx)
+        return std::exchange(spare_catchup_ctx, nullptr);
     }
-    return n;
+    return coll::transfer_context(o.rank);
+  }
+  /// After a clean session only: its peer is done with the context (the
+  /// stream's end marker was the last message), so the next session, with
+  /// another peer, needs no fresh worker.
+  void give_back_catchup_ctx(std::shared_ptr<coll::host_context> c) {
+    c->quiesced();
+    std::lock_guard lk(mu);
+    if (!spare_catchup_ctx)
+      spare_catchup_ctx = std::move(c);
+  }
+  /// Sizes of this rank's params, moments and scalars, from the trainer's
+  /// step boundaries: a source prepares snapshot buffers of these sizes.
+  std::optional<std::array<size_t, 4>> state_sizes;
+  wire::worker_status status;
+  bool announce_commit = false; // the first commit of an epoch is beaconed at once
+  int64_t computing_since = 0;  // mono_ns of the running computation's start, 0: none
+  std::thread beacon;
+
+  impl(supervisor_options opts, coordinator_client c, std::shared_ptr<coll::host_context> x)
+      : o(std::move(opts)), client_(std::make_shared<coordinator_client>(std::move(c))),
+        ctx(std::move(x)) {
+    status.incarnation = o.incarnation;
+    // Until the trainer first asks for an epoch (its model built): a
+    // restarted rank is given a catch-up source only once it can take the
+    // snapshot, so its start-up does not run while a source serves it.
+    status.state = wire::worker_status::starting;
   }
 
-  /// Pushes the (new) current epoch to every worker, starts timing its
-  /// first commit from `base_step`, and logs it.
-  void announce_epoch(int64_t now, uint64_t base_step, const std::string& reason,
-                      std::vector<uint32_t> joined, std::vector<uint32_t> left,
-                      bool abort_running = false) {
-    auto n = current_notice(reason);
-    n.abort_running = abort_running;
-    coord.send_control(std::nullopt, n);
-    epoch_started_ms = now;
-    epoch_base_step = base_step;
-    first_commit_seen = false;
-    log->emit("epoch", {{"epoch", current.id},
-                        {"members", n.ranks},
-                        {"joined", std::move(joined)},
-                        {"left", std::move(left)},
-                        {"step", base_step},
-                        {"abort_running", abort_running},
-                        {"reason", reason}});
+  std::shared_ptr<coordinator_client> client() const {
+    std::lock_guard lk(mu);
+    return client_;
   }
-  /// A line for the user (stdout), or for the process's log when printing
-  /// is off. Called with the lock held: the log's writer thread does the
-  /// I/O either way.
-  void say(const std::string& line) {
-    if (!o.print)
-      return log->note("supervisor: " + line);
-    log->print("cmesh: " + line);
+  bool reconnect();
+
+  void on_control(const control_message& m);
+  void abort_if_left_out(); // with mu held
+  void set_status(uint8_t state, std::optional<uint64_t> step = {},
+                  std::optional<uint64_t> epoch = {}, std::optional<uint64_t> session = {});
+  void send_status();
+  void run_beacon();
+  void serve(session_ptr s);
+  caf::error receive(const wire::catchup_assign& a, train_state& st, const apply_update& apply);
+  coll::peer_status member_status(uint64_t epoch);
+  /// Catch-up moves whole state buffers between two processes: large
+  /// chunks (fewer messages), the rest as for training.
+  coll::host_options catchup_host_options() const {
+    auto h = o.host;
+    h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
+    // Catch-up runs beside training: it must not spin on a core the
+    // trainers need while it waits for its peer (a joiner waits a whole
+    // step for each update): it sleeps on the worker's events.
+    h.spin_before_yield = 1;
+    h.sleep_when_idle = std::chrono::milliseconds(2);
+    h.idle_polls_before_sleep = 100;
+    // It broadcasts (and the shared-memory ring would sleep through its
+    // slices: nothing wakes the worker's descriptor for it).
+    h.shared_memory_ring = false;
+    return h;
   }
 };
 
-void supervisor::impl::lost(uint32_t rank, worker& w, const std::string& why, int64_t now) {
-  if (w.lost_reported)
-    return;
-  w.lost_reported = true;
-  w.lost_ms = now;
-  w.lost_why = why;
-  bool member = is_member(rank, w.incarnation);
-  if (member) {
-    failure_at(now);
-    ++stats.ranks_lost;
-    // Its peers stop waiting for it now, even if no new epoch can form yet.
-    auto n = current_notice(fmt::format("rank {} lost: {}", rank, why));
-    n.lost = {rank};
-    coord.send_control(std::nullopt, n);
+void supervisor::impl::set_status(uint8_t state, std::optional<uint64_t> step,
+                             std::optional<uint64_t> epoch, std::optional<uint64_t> session) {
+  {
+    std::lock_guard lk(mu);
+    status.state = state;
+    if (step)
+      status.step = *step;
+    if (epoch)
+      status.epoch = *epoch;
+    if (session)
+      status.session = *session;
   }
-  say(fmt::format("rank {} lost{}: {}", rank, member ? "" : " (not a member)", why));
-  log->emit("worker_lost", {{"rank", uint64_t{rank}},
-                            {"incarnation", w.incarnation},
-                            {"member", member},
-                            {"reason", why}});
+  send_status();
 }
 
-void supervisor::impl::on_event(const worker_event& ev) {
-  std::lock_guard lk(mu);
-  auto now = now_ms();
-  auto& w = workers[ev.rank];
-  switch (ev.what) {
-    case worker_event::type::registered:
-      w = worker{};
-      w.incarnation = ev.incarnation;
-      w.connected = true;
-      w.last_ms = now;
-      w.registered_ms = now;
-      log->emit("registered", {{"rank", uint64_t{ev.rank}}, {"incarnation", ev.incarnation}});
-      break;
-    case worker_event::type::status:
-      if (ev.status.incarnation != w.incarnation)
-        return; // a stale process that outlived its replacement
-      w.last_ms = now;
-      if (w.lost_reported)
-        return; // silent too long: it stays out (it is fenced when it learns)
-      if (ev.status.state == wire::worker_status::ready && w.ready_since_ms == 0
-          && !is_member(ev.rank, w.incarnation)) {
-        w.ready_since_ms = now;
-        log->emit("catchup_ready", {{"rank", uint64_t{ev.rank}},
-                                    {"session", ev.status.session},
-                                    {"step", ev.status.step}});
-      } else if (ev.status.state != wire::worker_status::ready) {
-        w.ready_since_ms = 0;
-      }
-      if (!first_commit_seen && is_member(ev.rank, w.incarnation)
-          && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
-        first_commit_seen = true;
-        reforms_in_a_row = 0;
-        event_fields f{{"epoch", current.id},
-                       {"step", ev.status.step},
-                       {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
-        // The first commit after a failure (an epoch grown by a join, long
-        // after, is not a recovery): timed from the first failure found
-        // since the last commit.
-        std::string since;
-        if (unresolved_failure_ms != 0) {
-          const int64_t ms = now - unresolved_failure_ms;
-          stats.failure_to_commit_ms.push_back(ms);
-          unresolved_failure_ms = 0;
-          f.emplace_back("since_failure_ms", ms);
-          since = fmt::format(", {} ms after the failure", ms);
-        }
-        log->emit("first_commit", f);
-        say(fmt::format("epoch {} committed step {}, {} ms after it began{}", current.id,
-                        ev.status.step, now - epoch_started_ms, since));
-      }
-      if (ev.status.broken_epoch != 0 && ev.status.broken_epoch != w.st.broken_epoch) {
-        w.broken_since_ms = now;
-        const bool current_epoch = is_member(ev.rank, w.incarnation)
-                                   && ev.status.broken_epoch == current.id;
-        if (!current_epoch && !failed && !aborts_previous && is_member(ev.rank, w.incarnation)
-            && ev.status.broken_epoch == kept_everyone_of) {
-          // The epoch before the current one broke after the current one
-          // was announced (a join raced the failure). Its members switch
-          // at their next agreed step boundary, which the broken step will
-          // never reach: the current epoch goes again, telling them to
-          // abort that one now.
-          aborts_previous = true;
-          failure_at(now);
-          auto n = current_notice(fmt::format("epoch {} broke at rank {} ({}) after epoch {} was "
-                                              "announced",
-                                              ev.status.broken_epoch, ev.rank,
-                                              ev.status.broken_reason, current.id));
-          n.abort_running = true;
-          coord.send_control(std::nullopt, n);
-          say(n.reason + "; its members abort it");
-        }
-        if (current_epoch)
-          failure_at(now);
-        log->emit("epoch_broken", {{"rank", uint64_t{ev.rank}},
-                                   {"epoch", ev.status.broken_epoch},
-                                   {"current", current_epoch},
-                                   {"reason", ev.status.broken_reason}});
-        if (current_epoch && !failed)
-          say(fmt::format("rank {}: epoch {} broke: {}", ev.rank, ev.status.broken_epoch,
-                          ev.status.broken_reason));
-      }
-      w.has_status = true;
-      w.st = ev.status;
-      if (current.id == 0 && adopt_seen_ms == 0 && ev.status.epoch > 0)
-        adopt_seen_ms = now;
-      if (is_member(ev.rank, w.incarnation))
-        max_member_step = std::max(max_member_step, ev.status.step);
-      break;
-    case worker_event::type::disconnected:
-      if (ev.incarnation != w.incarnation)
-        return;
-      w.connected = false;
-      lost(ev.rank, w, "disconnected", now);
-      break;
-    case worker_event::type::report:
-      return;
-    case worker_event::type::divergence:
-      on_divergence(ev.rank, ev.divergence, now);
-      break;
+void supervisor::impl::send_status() {
+  wire::worker_status s;
+  {
+    std::lock_guard lk(mu);
+    s = status;
   }
-  dirty = true;
-  cv.notify_all();
-}
-
-/// A member found that the replica groups' states differ: the minority's
-/// ranks are taken out at once, as if dead (their peers retry the step
-/// without them; they are fenced when the next epoch leaves them out, and
-/// restart to catch up from the majority); with no majority the job ends.
-void supervisor::impl::on_divergence(uint32_t rank, const wire::replica_divergence& d,
-                                     int64_t now) {
-  if (failed || (d.epoch == divergence_epoch_seen && d.step == divergence_step_seen))
-    return;
-  divergence_epoch_seen = d.epoch;
-  divergence_step_seen = d.step;
-  ++stats.divergences;
-  const auto ranks = ranks_of(d.minority, S());
-  log->emit("replica_divergence", {{"epoch", d.epoch},
-                                   {"step", d.step},
-                                   {"reporter", uint64_t{rank}},
-                                   {"groups", d.minority},
-                                   {"ranks", ranks},
-                                   {"no_majority", d.no_majority},
-                                   {"shards", d.positions},
-                                   {"tensors", d.tensors},
-                                   {"reason", d.reason}});
-  say(fmt::format("replica divergence at step {} in epoch {}: {}; differing: {}", d.step, d.epoch,
-                  d.reason, d.tensors));
-  if (d.no_majority) {
-    fail_job(fmt::format("replica divergence at step {} with no majority to trust ({}); "
-                         "restart from checkpoint needed",
-                         d.step, d.reason));
-    return;
-  }
-  for (auto r : ranks) {
-    auto it = workers.find(r);
-    if (it != workers.end() && is_member(r, it->second.incarnation))
-      lost(r, it->second,
-           fmt::format("diverged: its replica group's state differs from the majority's at "
-                       "step {}",
-                       d.step),
-           now);
+  s.mono_ns = mono_ns();
+  // The coordinator may be gone for a while: training goes on meanwhile,
+  // and the beacon thread reconnects.
+  if (client()->send_status(s)) {
+    std::lock_guard lk(mu);
+    connected = false;
   }
 }
 
-/// Ends the job: every worker is told no epoch can form.
-void supervisor::impl::fail_job(const std::string& reason) {
-  if (failed)
-    return;
-  failed = reason;
-  log->emit("failed", {{"epoch", current.id}, {"reason", reason}});
-  say("no epoch can form: " + reason);
-  wire::epoch_notice n;
-  n.epoch = current.id;
-  n.fail = true;
-  n.reason = reason;
-  coord.send_control(std::nullopt, n);
-}
-
-/// A restarted coordinator learns the running epoch from the workers'
-/// beacons (after a settling second, so every survivor re-registered), and
-/// re-forms it at once with the members it hears from.
-bool supervisor::impl::adopt(int64_t now) {
-  if (current.id != 0 || adopt_seen_ms == 0)
-    return true;
-  if (now - adopt_seen_ms < 1000)
+bool supervisor::impl::reconnect() {
+  auto c = coordinator_client::connect(*o.coordinator, std::chrono::milliseconds(500));
+  if (!c)
     return false;
-  uint64_t e = 0;
-  for (auto& [rank, w] : workers)
-    if (w.connected && w.has_status && w.st.incarnation == w.incarnation)
-      e = std::max(e, w.st.epoch);
-  // A group is adopted when all its ranks still train in that epoch.
-  recovery::epoch adopted{e, {}};
-  std::map<uint32_t, std::pair<uint32_t, uint64_t>> groups; // group -> (ranks, incarnation)
-  for (auto& [rank, w] : workers) {
-    if (!w.connected || !w.has_status || w.st.epoch != e)
-      continue;
-    if (w.st.state != wire::worker_status::training
-        && w.st.state != wire::worker_status::recovering)
-      continue;
-    auto& g = groups[rank / S()];
-    g.first += 1;
-    g.second = std::max(g.second, w.incarnation);
-    max_member_step = std::max(max_member_step, w.st.step);
+  auto fresh = std::make_shared<coordinator_client>(std::move(*c));
+  if (fresh->rejoin(o.registration))
+    return false;
+  fresh->on_control([this](const control_message& m) { on_control(m); });
+  std::optional<wire::report> done;
+  {
+    std::lock_guard lk(mu);
+    client_ = fresh;
+    connected = true;
+    done = done_report;
   }
-  for (auto& [g, v] : groups)
-    if (v.first == S())
-      adopted.members.push_back({g, v.second});
-  set_current(adopted);
-  say(fmt::format("adopted epoch {} {} from the workers", e, recovery::to_string(current.members)));
-  log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members, S())}});
-  // The members of the running epoch that died while the coordinator was
-  // away are unknown: a new epoch of those heard from drops them (the
-  // others' running step is aborted and retried), and costs the healthy
-  // case only a switch at the next step boundary.
-  current.id = e + 1;
-  auto reason = fmt::format("epoch {} re-formed after the coordinator returned", current.id);
-  announce_epoch(now, max_member_step, reason, {}, {});
-  say(reason);
+  spdlog::warn("supervisor: rank {} reconnected to the coordinator at {}", o.rank,
+               o.coordinator->to_string());
+  send_status();
+  if (done)
+    (void) fresh->report(*done);
   return true;
 }
 
-void supervisor::impl::decide(int64_t now) {
-  if (failed)
-    return; // the job is over: the workers leaving now form nothing
-  if (!adopt(now))
-    return;
-  recovery::quorum_state qs;
-  qs.current = current;
-  qs.expected_groups = o.groups;
-  qs.reforms_in_a_row = reforms_in_a_row;
-  // Every connected member silent at once: more likely this process was
-  // held up (a write to its log or event file throttled by the kernel
-  // while a thread held this lock, its beacons unread) than all of them
-  // hanging together. They are credited, for up to 10 heartbeat timeouts,
-  // until their queued beacons are read, and when the first is heard each
-  // gets one more timeout; a closed connection counts at once.
-  {
-    std::vector<worker*> connected;
-    std::vector<int64_t> beacons;
-    for (auto& [rank, inc] : member_ranks) {
-      auto& w = workers[rank];
-      if (w.incarnation == inc && w.connected && !w.lost_reported) {
-        connected.push_back(&w);
-        beacons.push_back(w.last_ms);
-      }
-    }
-    const int64_t timeout = o.quorum.heartbeat_timeout_ms;
-    auto credit = recovery::credit_when_all_silent(beacons, now, timeout, all_silent_since_ms,
-                                                   10 * timeout);
-    if (credit) {
-      if (all_silent_since_ms == 0) {
-        all_silent_since_ms = now;
-        say(fmt::format("every member has been silent for more than {} ms at once: waiting for "
-                        "their beacons before taking any for dead",
-                        timeout));
-        log->emit("all_silent", {{"epoch", current.id}});
-      }
-      for (auto* w : connected)
-        w->last_ms = std::max(w->last_ms, *credit);
-    } else if (std::any_of(beacons.begin(), beacons.end(), [&](int64_t t) {
-                 return !recovery::heartbeat_expired(t, now, timeout);
-               })) {
-      // Someone is heard again: the stall is over. The others' beacons
-      // may still wait unread behind that one's (the I/O thread reads one
-      // connection at a time), so each gets a full timeout from now.
-      if (all_silent_since_ms != 0)
-        for (auto* w : connected)
-          w->last_ms = std::max(w->last_ms, now);
-      all_silent_since_ms = 0;
-    }
-  }
-  // Deaths of member ranks.
-  for (auto& [rank, inc] : member_ranks) {
-    auto& w = workers[rank];
-    if (w.incarnation == inc && w.connected && !w.lost_reported
-        && recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
-      lost(rank, w, fmt::format("silent for more than {} ms", o.quorum.heartbeat_timeout_ms), now);
-  }
-  // One participant per replica group, from its S ranks.
-  std::map<uint32_t, bool> groups; // group -> a member of the current epoch
-  for (auto& [rank, w] : workers)
-    if (w.incarnation != 0)
-      groups[rank / S()] = false;
-  for (auto& m : current.members)
-    groups[m.group] = true;
-  const bool over = o.target_step != 0 && max_member_step >= o.target_step;
-  for (auto& [g, member] : groups) {
-    bool same = member, complete = true, all_joining = true, all_heard = true;
-    int64_t hb = std::numeric_limits<int64_t>::max(), joined = 0;
-    uint64_t inc = 0;
-    for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
-      auto it = workers.find(r);
-      if (it == workers.end() || it->second.incarnation == 0) {
-        complete = same = false; // a group without all its ranks is no survivor
-        break;
-      }
-      auto& w = it->second;
-      bool silent = recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms);
-      // The dead count as silent from the moment they were found dead.
-      hb = std::min(hb, (w.connected && !w.lost_reported)
-                          ? w.last_ms
-                          : std::min(w.last_ms, w.lost_ms - o.quorum.heartbeat_timeout_ms - 1));
-      inc = std::max(inc, w.incarnation);
-      same = same && is_member(r, w.incarnation);
-      bool joining = w.has_status && !w.lost_reported
-                     && ((w.ready_since_ms != 0 && !over)
-                         || (current.id == 0 && w.st.state == wire::worker_status::fresh
-                             && w.st.step == 0));
-      all_joining = all_joining && joining;
-      joined = std::max(joined, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms);
-      all_heard = all_heard && w.has_status && !w.lost_reported && w.connected && !silent;
-    }
-    if (same) {
-      auto m = std::find_if(current.members.begin(), current.members.end(),
-                            [&](auto& x) { return x.group == g; });
-      recovery::participant p;
-      p.who = *m;
-      p.last_heartbeat_ms = hb;
-      // The earliest of its ranks' reports that the current epoch broke,
-      // and how its dead ranks were found dead.
-      for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
-        auto& w = workers[r];
-        if (w.lost_reported)
-          p.lost_reason += (p.lost_reason.empty() ? "" : "; ")
-                           + fmt::format("rank {} {} at t={} ms", r, w.lost_why, w.lost_ms);
-        if (w.st.broken_epoch != current.id || w.broken_since_ms == 0)
-          continue;
-        if (p.broken_since_ms == 0 || w.broken_since_ms < p.broken_since_ms)
-          p.broken_since_ms = w.broken_since_ms;
-        p.broken_reason += (p.broken_reason.empty() ? "" : "; ")
-                           + fmt::format("rank {}: {}", r, w.st.broken_reason);
-      }
-      qs.participants.push_back(std::move(p));
-      continue;
-    }
-    // Not a member (or a member superseded by a restarted rank, which then
-    // counts as lost): a joiner once every rank of it is ready.
-    if (!complete)
-      continue;
-    if (all_joining) {
-      recovery::participant p;
-      p.who = {g, inc};
-      p.last_heartbeat_ms = hb;
-      p.joined_ms = joined;
-      qs.participants.push_back(std::move(p));
-    }
-    else if (all_heard)
-      ++qs.heard_not_ready; // catching up: heard from, not eligible yet
-  }
-  auto d = recovery::compute_quorum(qs, now, o.quorum);
-  if (d.kind == recovery::decision_kind::wait && current.id != 0) {
-    if (waiting_since_ms == 0)
-      waiting_since_ms = now;
-    if (now - waiting_since_ms > o.quorum_wait_ms) {
-      d.kind = recovery::decision_kind::fail;
-      d.reason = fmt::format("no quorum for {} ms ({}); restart from checkpoint needed",
-                             o.quorum_wait_ms, d.reason);
-    }
-  } else {
-    waiting_since_ms = 0;
-  }
-  bool changed_reason = recovery::reason_changed(last, d);
-  switch (d.kind) {
-    case recovery::decision_kind::keep:
-      break;
-    case recovery::decision_kind::wait:
-      if (changed_reason)
-        log->emit("waiting", {{"epoch", current.id}, {"reason", d.reason}});
-      break;
-    case recovery::decision_kind::fail:
-      fail_job(d.reason);
-      break;
-    case recovery::decision_kind::new_epoch: {
-      set_current(d.epoch);
-      uint64_t base = 0;
-      for (auto& [rank, inc] : member_ranks)
-        base = std::max(base, workers[rank].st.step);
-      ++stats.epochs;
-      if (d.reform) {
-        ++reforms_in_a_row;
-        ++stats.reforms;
-      }
-      kept_everyone_of = d.left.empty() ? current.id - 1 : 0;
-      aborts_previous = d.abort_running;
-      announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()),
-                     d.abort_running);
-      for (auto r : ranks_of(d.joined, S()))
-        if (workers[r].ready_since_ms != 0) {
-          stats.rejoin_ms.push_back(now - workers[r].registered_ms);
-          log->emit("catchup_end", {{"rank", uint64_t{r}},
-                                    {"epoch", current.id},
-                                    {"session", workers[r].st.session}});
-        }
-      say(fmt::format("epoch {} {} from step {}: {}", current.id,
-                      recovery::to_string(current.members), base, d.reason));
-      break;
-    }
-  }
-  last = std::move(d);
-}
-
-void supervisor::impl::assign_catch_ups(int64_t now) {
-  if (current.id == 0 || failed)
-    return;
-  // A joiner at position p of its group catches up from a member at p
-  // (it holds the same shard).
-  std::vector<std::vector<uint32_t>> healthy(S());
-  for (auto& [rank, inc] : member_ranks) {
-    auto& w = workers[rank];
-    if (w.connected && !w.lost_reported && w.incarnation == inc
-        && !recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
-      healthy[rank % S()].push_back(rank);
-  }
-  for (auto& [rank, w] : workers) {
-    if (!w.connected || w.lost_reported || !w.has_status || is_member(rank, w.incarnation))
-      continue;
-    // Fresh, and it has seen (and failed) our latest assignment, or had none.
-    if (w.st.state != wire::worker_status::fresh || w.st.session < w.assigned_session)
-      continue;
-    const auto& sources = healthy[rank % S()];
-    if (sources.empty())
-      continue;
-    wire::catchup_assign a;
-    a.session = ++next_session;
-    a.joiner = rank;
-    a.joiner_incarnation = w.incarnation;
-    a.source = sources[a.session % sources.size()];
-    w.assigned_session = a.session;
-    ++stats.catchups;
-    coord.send_control(a.joiner, a);
-    coord.send_control(a.source, a);
-    newest_catchup = std::pair{rank, a.source};
-    say(fmt::format("rank {} catches up from rank {} (session {})", rank, a.source, a.session));
-    log->emit("catchup_start", {{"rank", uint64_t{rank}},
-                                {"source", uint64_t{a.source}},
-                                {"session", a.session},
-                                {"step", max_member_step}});
-  }
-}
-
-void supervisor::impl::run() {
+void supervisor::impl::run_beacon() {
   std::unique_lock lk(mu);
   while (!stopping) {
-    cv.wait_for(lk, o.tick, [&] { return stopping || dirty; });
-    if (stopping)
-      break;
-    dirty = false;
-    auto now = now_ms();
-    decide(now);
-    assign_catch_ups(now);
+    if (o.step_timeout.count() > 0 && computing_since != 0
+        && mono_ns() - computing_since > o.step_timeout.count() * 1000000) {
+      // The step watchdog: this rank's computation hangs. Say so and end
+      // the process; its peers are told by its closed connection at once.
+      auto why = fmt::format("step watchdog: rank {} computed for more than {} ms", o.rank,
+                             o.step_timeout.count());
+      lk.unlock();
+      spdlog::error("supervisor: {}; ending the process", why);
+      (void) client()->report({o.rank, "failed", why, mono_ns()});
+      std::this_thread::sleep_for(std::chrono::milliseconds(50)); // let the report leave
+      std::_Exit(exit_hung);
+    }
+    bool lost = !connected;
+    lk.unlock();
+    if (lost && o.coordinator)
+      reconnect();
+    else
+      send_status();
+    lk.lock();
+    cv.wait_for(lk, o.beacon_interval, [&] { return stopping; });
   }
 }
 
-supervisor::supervisor(coordinator& coord, supervisor_options o, std::shared_ptr<event_log> log)
-    : impl_(std::make_unique<impl>(coord, std::move(o), std::move(log))) {
-  if (auto e = recovery::validate(impl_->o.quorum))
-    throw std::invalid_argument(describe(e));
+/// A member of `epoch` is lost when a newer epoch left it out.
+coll::peer_status supervisor::impl::member_status(uint64_t epoch) {
+  return [this, epoch](uint32_t r) -> caf::error {
+    std::lock_guard lk(mu);
+    if (stopping)
+      return make_error(errc::closed, "the supervisor is stopping");
+    if (failed)
+      return make_error(errc::unrecoverable, failed->reason);
+    if (auto it = lost.find(r); it != lost.end() && it->second >= epoch)
+      return make_error(errc::peer_lost, fmt::format("rank {} was lost in epoch {}", r, it->second));
+    if (newest && newest->epoch > epoch && !has_rank(*newest, r))
+      return make_error(errc::peer_lost, fmt::format("epoch {} left out rank {}", newest->epoch, r));
+    return {};
+  };
+}
+
+void supervisor::impl::abort_if_left_out() {
+  if (failed) {
+    if (comm)
+      abort_epoch(make_error(errc::unrecoverable, failed->reason));
+    if (join_comm)
+      join_comm->abort(make_error(errc::unrecoverable, failed->reason));
+    return;
+  }
+  if (comm) {
+    for (auto r : comm->members().ranks) {
+      if (auto it = lost.find(r); it != lost.end() && it->second >= comm->members().epoch) {
+        abort_epoch(make_error(errc::peer_lost,
+                               fmt::format("rank {} was lost in epoch {}", r, it->second)));
+        break;
+      }
+    }
+  }
+  if (join_comm && lost_count[join_source] > join_losses_before) {
+    join_comm->abort(make_error(errc::peer_lost,
+                                fmt::format("catch-up source rank {} was lost", join_source)));
+  }
+  if (!newest)
+    return;
+  if (comm && newest->epoch > comm->members().epoch && newest->abort_running) {
+    // The running epoch broke though its members live: nobody is coming
+    // back to its collectives.
+    abort_epoch(make_error(errc::aborted, fmt::format("epoch {} replaces the broken epoch {}",
+                                                      newest->epoch, comm->members().epoch)));
+  } else if (comm && newest->epoch > comm->members().epoch) {
+    const auto& m = comm->members();
+    for (auto r : m.ranks) {
+      bool stays = has_rank(*newest, r)
+                   && (r != o.rank || includes(*newest, o.rank, o.incarnation));
+      if (!stays) {
+        abort_epoch(make_error(errc::peer_lost, fmt::format("epoch {} left out rank {} ({})",
+                                                            newest->epoch, r, newest->reason)));
+        break;
+      }
+    }
+  }
+  if (join_comm && !has_rank(*newest, join_source))
+    join_comm->abort(make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the "
+                                                             "job in epoch {}",
+                                                             join_source, newest->epoch)));
+}
+
+void supervisor::impl::on_control(const control_message& m) {
+  std::lock_guard lk(mu);
+  if (auto* n = std::get_if<wire::epoch_notice>(&m)) {
+    if (n->fail) {
+      failed = *n;
+    } else if (!n->lost.empty()) {
+      for (auto r : n->lost) {
+        lost[r] = std::max(lost[r], n->epoch);
+        ++lost_count[r];
+        if (join_comm && r == join_source)
+          join_comm->abort(make_error(errc::peer_lost,
+                                      fmt::format("catch-up source rank {} was lost", r)));
+      }
+    } else if (!newest || n->epoch > newest->epoch) {
+      newest = *n;
+    } else if (n->epoch == newest->epoch && n->abort_running) {
+      // The newest epoch again: the one before it broke after it came.
+      newest->abort_running = true;
+    }
+    abort_if_left_out();
+  } else if (auto* a = std::get_if<wire::catchup_assign>(&m)) {
+    if (a->joiner == o.rank && a->joiner_incarnation == o.incarnation) {
+      if (!join || a->session > join->session) {
+        join = *a;
+        join_source_losses = lost_count[a->source];
+        if (join_comm)
+          join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
+      }
+    } else if (a->source == o.rank && !sessions.count(a->session)) {
+      // A new session for the same joiner replaces the old one.
+      for (auto& [id, s] : sessions) {
+        if (s->assign.joiner == a->joiner && !s->broken) {
+          s->broken = true;
+          if (s->comm)
+            s->comm->abort(make_error(errc::aborted, "replaced by a newer session"));
+        }
+      }
+      auto s = std::make_shared<session>();
+      s->assign = *a;
+      sessions[a->session] = s;
+      spdlog::info("supervisor: rank {} is the catch-up source of rank {} (session {})", o.rank,
+                   a->joiner, a->session);
+      // Started under the lock, so stop() never sees a half-assigned thread.
+      if (!stopping)
+        s->thread = std::thread([this, s] { serve(s); });
+    }
+  }
+  cv.notify_all();
+}
+
+void supervisor::impl::serve(session_ptr s) {
+  if (!lower_thread_priority(o.catchup_nice))
+    spdlog::debug("supervisor: cannot lower the catch-up thread's priority: {}", std::strerror(errno));
+  const auto& a = s->assign;
+  auto fail = [&](const caf::error& e) {
+    spdlog::warn("supervisor: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
+                 describe(e));
+    std::lock_guard lk(mu);
+    s->broken = true;
+    s->queue.clear();
+    s->drop_state();
+  };
+  // Prepared before the snapshot, here: the buffers are allocated and their
+  // pages touched on this thread, on huge pages (a fresh 100 MB vector
+  // filled on the trainer's thread cost it 270 ms of page faults), and the
+  // communicator is built, so that at the step boundary the trainer only
+  // copies (6 ms for 100 MB).
+  const auto t_setup = mono_ns();
+  const auto cpu_setup = thread_cpu_ns();
+  {
+    std::array<size_t, 4> n;
+    {
+      std::unique_lock lk(mu);
+      if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || state_sizes.has_value(); }))
+        return fail(make_error(errc::timeout, "no step boundary for 600 s"));
+      if (stopping || s->broken)
+        return;
+      n = *state_sizes;
+    }
+    auto fresh = snapshot_buffers::sized(n, page_array::pages::huge);
+    std::fill(fresh.memory.begin(), fresh.memory.end(), 0.0f); // fault the pages in here
+    std::lock_guard lk(mu);
+    s->snap = std::move(fresh);
+  }
+  const auto t_buffers = mono_ns();
+  auto sctx = take_catchup_ctx();
+  if (!sctx)
+    return fail(sctx.error());
+  const auto t_ctx = mono_ns();
+  auto cl = client();
+  // Nothing tells a source that its joiner died: its session ends when the
+  // supervisor stops, when a newer session replaces it, or at the timeout.
+  coll::peer_status session_status = [this, s](uint32_t) -> caf::error {
+    std::lock_guard lk(mu);
+    if (stopping)
+      return make_error(errc::closed, "the supervisor is stopping");
+    if (s->broken)
+      return make_error(errc::aborted, "the catch-up session was replaced");
+    return {};
+  };
+  auto c = coll::make_host_communicator(*sctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
+                                        *cl, session_status, catchup_host_options());
+  if (!c)
+    return fail(c.error());
+  {
+    std::lock_guard lk(mu);
+    if (s->broken || stopping)
+      return;
+    s->comm = std::move(*c);
+  }
+  cv.notify_all();
+  spdlog::info("supervisor: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, context "
+               "{:.1f}, communicator {:.1f}; CPU {:.1f})",
+               a.session, a.joiner, (mono_ns() - t_setup) / 1e6, (t_buffers - t_setup) / 1e6,
+               (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6,
+               (thread_cpu_ns() - cpu_setup) / 1e6);
+  const auto cpu_prepared = thread_cpu_ns();
+  {
+    std::unique_lock lk(mu);
+    if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || !s->want_snapshot; }))
+      return fail(make_error(errc::timeout, "no step boundary for 600 s"));
+    if (stopping || s->broken)
+      return;
+  }
+  auto& comm = *s->comm;
+  const size_t n_params = s->snap.parts[0].size();
+  int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(n_params)};
+  caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
+  // The joiner says when it has checked the header and waits for the
+  // state, and when it holds all of it. The time from the first word to
+  // the last is the transfer's (the joiner's start-up and endpoints are
+  // not in it). Each array's broadcast itself waits for the joiner's
+  // receives to be posted (an eager stream ahead of them would fill UCX's
+  // unexpected queue with fresh buffers). The joiner answers the header at
+  // once: its word is awaited without naps (a nap is up to 2 ms of a
+  // transfer of a few).
+  int64_t joiner_says = 0;
+  if (!e)
+    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
+  auto t0 = mono_ns();
+  for (auto part : s->snap.parts)
+    if (!e)
+      e = comm.broadcast(part.data(), part.size(), coll::dtype::float32, 0, transfer_op);
+  if (!e)
+    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
+  if (e)
+    return fail(e);
+  double secs = static_cast<double>(mono_ns() - t0) / 1e9;
+  double mb = 3.0 * static_cast<double>(n_params * sizeof(float)) / 1e6;
+  // The snapshot is sent: give its memory back (a session object stays,
+  // small, until the supervisor stops).
+  s->drop_state();
+  spdlog::info("supervisor: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
+               "{:.2f} GB/s; CPU from the prepared communicator {:.1f} ms)",
+               a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9),
+               (thread_cpu_ns() - cpu_prepared) / 1e6);
+  const auto cpu_sent = thread_cpu_ns();
+  uint64_t streamed = 0;
+  for (;;) {
+    std::pair<uint64_t, std::vector<float>> item;
+    bool last = false;
+    {
+      std::unique_lock lk(mu);
+      // A step takes well under this; silence this long means training stopped.
+      if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || s->end || !s->queue.empty(); }))
+        return fail(make_error(errc::timeout, "no committed step to stream for 600 s"));
+      if (stopping || s->broken)
+        return;
+      if (!s->queue.empty()) {
+        item = std::move(s->queue.front());
+        s->queue.pop_front();
+      } else {
+        last = true;
+      }
+    }
+    if (last) {
+      int64_t end[2] = {-1, 0};
+      if (auto err = comm.broadcast(end, 2, coll::dtype::int64, 0))
+        return fail(err);
+      spdlog::info("supervisor: session {}: stream to rank {} ended after {} update(s) (CPU {:.1f} ms;"
+                   " the whole session {:.1f} ms)",
+                   a.session, a.joiner, streamed, (thread_cpu_ns() - cpu_sent) / 1e6,
+                   (thread_cpu_ns() - cpu_setup) / 1e6);
+      {
+        std::lock_guard lk(mu);
+        s->comm.reset();
+      }
+      give_back_catchup_ctx(std::move(*sctx));
+      return;
+    }
+    int64_t h[2] = {static_cast<int64_t>(item.first), static_cast<int64_t>(item.second.size())};
+    if (auto err = comm.broadcast(h, 2, coll::dtype::int64, 0))
+      return fail(err);
+    if (auto err = comm.broadcast(item.second.data(), item.second.size(), coll::dtype::float32, 0,
+                                  transfer_op))
+      return fail(err);
+    ++streamed;
+  }
+}
+
+caf::error supervisor::impl::receive(const wire::catchup_assign& a, train_state& st,
+                                const apply_update& apply) {
+  set_status(wire::worker_status::catching_up, {}, {}, a.session);
+  auto jctx = take_catchup_ctx();
+  if (!jctx)
+    return jctx.error();
+  // Declared before the communicator, so it runs after that is gone.
+  struct give_back_t {
+    impl* self;
+    std::shared_ptr<coll::host_context> ctx;
+    bool clean = false;
+    ~give_back_t() {
+      if (clean)
+        self->give_back_catchup_ctx(std::move(ctx));
+    }
+  } give_back{this, *jctx};
+  // Losses of the source heard of since the assignment came end the session.
+  uint64_t losses_before = 0;
+  {
+    std::lock_guard lk(mu);
+    losses_before = join && join->session == a.session ? join_source_losses : lost_count[a.source];
+  }
+  coll::peer_status source_status = [this, losses_before](uint32_t r) -> caf::error {
+    std::lock_guard lk(mu);
+    if (stopping)
+      return make_error(errc::closed, "the supervisor is stopping");
+    if (lost_count[r] > losses_before)
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", r));
+    if (newest && !has_rank(*newest, r))
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", r));
+    return {};
+  };
+  auto cl = client();
+  auto c = coll::make_host_communicator(*jctx, {catchup_epoch(a.session), {a.source, o.rank}},
+                                        *cl, source_status, catchup_host_options());
+  if (!c)
+    return c.error();
+  auto& comm = **c;
+  {
+    std::lock_guard lk(mu);
+    join_comm = &comm;
+    join_source = a.source;
+    join_losses_before = losses_before;
+    abort_if_left_out();
+  }
+  struct clear_t {
+    impl* self;
+    ~clear_t() {
+      std::lock_guard lk(self->mu);
+      self->join_comm = nullptr;
+    }
+  } clear{this};
+  int64_t hdr[2] = {0, 0};
+  if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0))
+    return e;
+  if (hdr[0] < 0 || static_cast<size_t>(hdr[1]) != st.params.size())
+    return make_error(errc::invalid_argument,
+                      fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
+                                  hdr[1], hdr[0], st.params.size()));
+  // Ready for the state, then holding all of it: the words the source
+  // times the transfer by (see serve). This side's clock runs from the
+  // first word sent to the last: the state moved in between, with the
+  // source's wake-up but not its noticing the end.
+  int64_t says = 1;
+  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
+    return e;
+  const auto t0 = mono_ns();
+  for (std::span<float> x : {st.params, st.adam_m, st.adam_v, st.scalars})
+    if (auto e = comm.broadcast(x.data(), x.size(), coll::dtype::float32, 0, transfer_op))
+      return e;
+  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
+    return e;
+  st.step = static_cast<uint64_t>(hdr[0]);
+  const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
+  const double mb = 3.0 * static_cast<double>(st.params.size() * sizeof(float)) / 1e6;
+  spdlog::info("supervisor: rank {} received the snapshot of step {} from rank {} (session {}): "
+               "{:.1f} MB in {:.4f} s, {:.2f} GB/s",
+               o.rank, st.step, a.source, a.session, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
+  set_status(wire::worker_status::ready, st.step);
+  std::vector<float> update(st.params.size());
+  for (;;) {
+    // The stream ends when the source enters the epoch that admits us.
+    if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0, {std::chrono::minutes(10)}))
+      return e;
+    if (hdr[0] < 0) {
+      give_back.clean = true;
+      return {};
+    }
+    if (static_cast<uint64_t>(hdr[0]) != st.step || static_cast<size_t>(hdr[1]) != update.size())
+      return make_error(errc::invalid_argument,
+                        fmt::format("catch-up stream sent step {} while this rank is at step {}",
+                                    hdr[0], st.step));
+    if (auto e = comm.broadcast(update.data(), update.size(), coll::dtype::float32, 0,
+                                transfer_op)) // right behind its header
+      return e;
+    apply(st.step, update);
+    ++st.step;
+    set_status(wire::worker_status::ready, st.step);
+  }
+}
+
+supervisor::supervisor(supervisor_options o, coordinator_client client, std::shared_ptr<coll::host_context> ctx)
+    : impl_(std::make_unique<impl>(std::move(o), std::move(client), std::move(ctx))) {}
+
+std::shared_ptr<coordinator_client> supervisor::client() const {
+  return impl_->client();
 }
 
 supervisor::~supervisor() {
@@ -638,135 +681,411 @@ supervisor::~supervisor() {
 
 void supervisor::start() {
   auto* I = impl_.get();
-  I->coord.on_event([I](const worker_event& ev) { I->on_event(ev); });
-  I->thread = std::thread([I] { I->run(); });
-}
-
-namespace {
-
-/// The median (nearest rank: the lower middle of an even count) and the
-/// largest of `v`; 0 and 0 when it is empty.
-std::pair<int64_t, int64_t> median_and_max(std::vector<int64_t> v) {
-  if (v.empty())
-    return {0, 0};
-  std::sort(v.begin(), v.end());
-  return {v[(v.size() - 1) / 2], v.back()};
-}
-
-} // namespace
-
-std::string supervisor::recovery_summary::describe() const {
-  const uint64_t failures = failure_to_commit_ms.size();
-  if (ranks_lost == 0 && reforms == 0 && rejoin_ms.empty() && failures == 0 && divergences == 0)
-    return {};
-  std::string out = fmt::format("{} rank(s) lost, {} epoch(s) re-formed with every process "
-                                "alive, {} epochs",
-                                ranks_lost, reforms, epochs);
-  if (divergences > 0)
-    out += fmt::format("; {} replica divergence(s)", divergences);
-  if (failures > 0) {
-    auto [p50, max] = median_and_max(failure_to_commit_ms);
-    out += fmt::format("; failure found to the next commit p50 {} ms, max {} ms ({})", p50, max,
-                       failures);
-  }
-  if (!rejoin_ms.empty()) {
-    auto [p50, max] = median_and_max(rejoin_ms);
-    out += fmt::format("; {} catch-up session(s); registered to rejoined p50 {} ms, max {} ms "
-                       "({} rank(s))",
-                       catchups, p50, max, rejoin_ms.size());
-  }
-  return out;
-}
-
-supervisor::recovery_summary supervisor::summary() const {
-  std::lock_guard lk(impl_->mu);
-  return impl_->stats;
+  if (auto c = coll::transfer_context(I->o.rank))
+    I->spare_catchup_ctx = std::move(*c);
+  else
+    spdlog::warn("supervisor: no spare catch-up context ({}); a catch-up will make its own",
+                 describe(c.error()));
+  I->client()->on_control([I](const control_message& m) { I->on_control(m); });
+  I->beacon = std::thread([I] { I->run_beacon(); });
 }
 
 void supervisor::stop() {
-  {
-    std::lock_guard lk(impl_->mu);
-    if (impl_->stopping)
-      return;
-    impl_->stopping = true;
-  }
-  impl_->cv.notify_all();
-  impl_->coord.on_event({});
-  if (impl_->thread.joinable())
-    impl_->thread.join();
-  {
-    std::lock_guard lk(impl_->mu);
-    const auto& st = impl_->stats;
-    auto [commit_p50, commit_max] = median_and_max(st.failure_to_commit_ms);
-    auto [rejoin_p50, rejoin_max] = median_and_max(st.rejoin_ms);
-    impl_->log->emit("recovery_summary",
-                     {{"epochs", st.epochs},
-                      {"ranks_lost", st.ranks_lost},
-                      {"reforms", st.reforms},
-                      {"divergences", st.divergences},
-                      {"catchups", st.catchups},
-                      {"failures_resolved", uint64_t{st.failure_to_commit_ms.size()}},
-                      {"failure_to_commit_p50_ms", commit_p50},
-                      {"failure_to_commit_max_ms", commit_max},
-                      {"rejoined", uint64_t{st.rejoin_ms.size()}},
-                      {"rejoin_p50_ms", rejoin_p50},
-                      {"rejoin_max_ms", rejoin_max}});
-  }
-  // What it said before stopping comes before what the caller prints next.
-  impl_->log->flush(std::chrono::seconds(5));
-}
-
-std::optional<std::string> supervisor::failure() const {
-  std::lock_guard lk(impl_->mu);
-  return impl_->failed;
-}
-
-std::vector<uint32_t> supervisor::members() const {
-  std::lock_guard lk(impl_->mu);
-  return ranks_of(impl_->current.members, impl_->S());
-}
-
-uint64_t supervisor::epoch() const {
-  std::lock_guard lk(impl_->mu);
-  return impl_->current.id;
-}
-
-supervisor::view supervisor::snapshot() const {
   auto& I = *impl_;
-  std::lock_guard lk(I.mu);
-  view v;
-  v.epoch = I.current.id;
-  v.max_member_step = I.max_member_step;
-  auto now = now_ms();
-  for (auto& [rank, w] : I.workers) {
-    rank_view r;
-    r.rank = rank;
-    r.incarnation = w.incarnation;
-    r.member = I.is_member(rank, w.incarnation);
-    r.live = w.connected && !w.lost_reported
-             && !recovery::heartbeat_expired(w.last_ms, now, I.o.quorum.heartbeat_timeout_ms);
-    r.state = w.st.state;
-    r.step = w.st.step;
-    v.ranks.push_back(r);
+  std::vector<session_ptr> all;
+  {
+    std::lock_guard lk(I.mu);
+    if (I.stopping)
+      return;
+    I.stopping = true;
+    if (I.comm)
+      I.abort_epoch(make_error(errc::closed, "the supervisor is stopping"));
+    if (I.join_comm)
+      I.join_comm->abort(make_error(errc::closed, "the supervisor is stopping"));
+    for (auto& [id, s] : I.sessions) {
+      all.push_back(s);
+      if (s->comm)
+        s->comm->abort(make_error(errc::closed, "the supervisor is stopping"));
+    }
   }
-  if (I.newest_catchup) {
-    auto [joiner, source] = *I.newest_catchup;
-    auto it = I.workers.find(joiner);
-    if (it != I.workers.end() && !I.is_member(joiner, it->second.incarnation))
-      v.catchup_source = source;
-  }
-  return v;
+  I.cv.notify_all();
+  I.client()->on_control({});
+  if (I.beacon.joinable())
+    I.beacon.join();
+  for (auto& s : all)
+    if (s->thread.joinable())
+      s->thread.join();
 }
 
-void supervisor::note(std::string_view event, const event_fields& fields) {
-  // With the members' step at that moment, so that an outside reader can
-  // place the event among the steps (a restart, for one).
-  auto all = fields;
-  if (std::none_of(all.begin(), all.end(), [](auto& f) { return f.first == "step"; })) {
+void supervisor::finished(uint64_t step, const wire::report& done) {
+  {
     std::lock_guard lk(impl_->mu);
-    all.emplace_back("step", impl_->max_member_step);
+    impl_->done_report = done;
   }
-  impl_->log->emit(event, all);
+  impl_->set_status(wire::worker_status::training, step);
+  (void) impl_->client()->report(done);
+}
+
+void supervisor::computing(bool on) {
+  std::lock_guard lk(impl_->mu);
+  impl_->computing_since = on ? mono_ns() : 0;
+}
+
+void supervisor::abort_epoch(const caf::error& why) {
+  std::lock_guard lk(impl_->mu);
+  impl_->abort_epoch(why);
+}
+
+void supervisor::report_divergence(const wire::replica_divergence& d) {
+  auto m = d;
+  m.incarnation = impl_->o.incarnation;
+  if (auto c = client())
+    if (auto e = c->send_divergence(m))
+      spdlog::warn("supervisor: the divergence report did not reach the coordinator: {}",
+                   describe(e));
+}
+
+uint64_t supervisor::newest_epoch() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->newest ? impl_->newest->epoch : 0;
+}
+
+void supervisor::at_boundary(const train_state& st) {
+  auto& I = *impl_;
+  std::vector<session_ptr> start;
+  const auto t0 = mono_ns();
+  {
+    std::lock_guard lk(I.mu);
+    I.status.step = st.step;
+    if (!I.state_sizes)
+      I.cv.notify_all(); // a source may be waiting to size its buffers
+    I.state_sizes = {st.params.size(), st.adam_m.size(), st.adam_v.size(), st.scalars.size()};
+    for (auto& [id, s] : I.sessions) {
+      if (!s->want_snapshot || !s->prepared() || s->broken)
+        continue;
+      s->want_snapshot = false;
+      s->snap_step = st.step;
+      // Copies into the buffers the serving thread prepared; a size that
+      // changed since (it does not, within a run) gets a fresh buffer.
+      const std::span<const float> from[4] = {st.params, st.adam_m, st.adam_v, st.scalars};
+      const std::array<size_t, 4> n{from[0].size(), from[1].size(), from[2].size(),
+                                    from[3].size()};
+      for (size_t i = 0; i < n.size(); ++i)
+        if (s->snap.parts[i].size() != n[i]) {
+          s->snap = snapshot_buffers::sized(n, page_array::pages::normal);
+          break;
+        }
+      for (size_t i = 0; i < n.size(); ++i)
+        std::copy(from[i].begin(), from[i].end(), s->snap.parts[i].begin());
+      start.push_back(s);
+    }
+  }
+  if (start.empty())
+    return;
+  I.cv.notify_all();
+  for (auto& s : start)
+    spdlog::info("supervisor: session {}: snapshot of step {} taken for rank {} ({:.1f} ms)",
+                 s->assign.session, s->snap_step, s->assign.joiner, (mono_ns() - t0) / 1e6);
+}
+
+void supervisor::committed(uint64_t k, std::span<const float> update) {
+  auto& I = *impl_;
+  std::unique_lock lk(I.mu);
+  I.status.step = k + 1;
+  if (I.announce_commit) {
+    // The coordinator times recovery by this beacon: send it now, not at
+    // the next beacon tick.
+    I.announce_commit = false;
+    lk.unlock();
+    I.send_status();
+    lk.lock();
+  }
+  for (auto& [id, s] : I.sessions) {
+    if (s->want_snapshot || s->broken || s->end)
+      continue;
+    if (s->queue.size() >= I.o.stream_max) {
+      spdlog::warn("supervisor: rank {} fell {} steps behind its catch-up stream; cutting it off",
+                   s->assign.joiner, s->queue.size());
+      s->broken = true;
+      s->queue.clear();
+      if (s->comm)
+        s->comm->abort(make_error(errc::queue_full, "catch-up stream overflow"));
+      continue;
+    }
+    s->queue.emplace_back(k, std::vector<float>(update.begin(), update.end()));
+  }
+  I.cv.notify_all();
+}
+
+expected<coll::communicator*> supervisor::enter_epoch(uint64_t after, const caf::error& why,
+                                                 train_state& st, const apply_update& apply) {
+  auto& I = *impl_;
+  const bool member_before = after != 0;
+  if (why && member_before) {
+    // The coordinator re-forms the epoch if no death explains this.
+    std::lock_guard lk(I.mu);
+    I.note_broken(after, describe(why));
+  }
+  I.set_status(why ? wire::worker_status::recovering
+               : member_before ? wire::worker_status::training
+                               : (st.step == 0 ? wire::worker_status::fresh
+                                               : wire::worker_status::ready),
+               st.step);
+  auto deadline = clock_type::now() + I.o.epoch_wait;
+  std::unique_lock lk(I.mu);
+  for (;;) {
+    auto snapshot_owed = [&] {
+      return member_before && std::any_of(I.sessions.begin(), I.sessions.end(), [](auto& kv) {
+               return kv.second->want_snapshot && kv.second->prepared() && !kv.second->broken;
+             });
+    };
+    I.cv.wait_until(lk, deadline, [&] {
+      return I.stopping || I.failed || snapshot_owed()
+             || (!member_before && I.join && I.join->session > I.join_done)
+             || (I.newest && I.newest->epoch > after);
+    });
+    if (!I.stopping && snapshot_owed()) {
+      // A member waiting for its next epoch is at a step boundary: it can
+      // serve a joiner now (this is how a quorum lost to several deaths at
+      // once is rebuilt from the survivors).
+      lk.unlock();
+      at_boundary(st);
+      lk.lock();
+      continue;
+    }
+    if (I.stopping)
+      return make_error(errc::closed, "the supervisor stopped");
+    if (I.failed)
+      return make_error(errc::unrecoverable, I.failed->reason);
+    if (I.join && I.join->session > I.join_done && !member_before) {
+      auto a = *I.join;
+      I.join_done = a.session;
+      lk.unlock();
+      // On a thread of its own, so that its priority can be lowered and
+      // the trainer's thread keeps its own.
+      caf::error e;
+      std::thread([&] {
+        lower_thread_priority(I.o.catchup_nice);
+        e = I.receive(a, st, apply);
+      }).join();
+      if (e) {
+        spdlog::warn("supervisor: catch-up session {} from rank {} failed: {}", a.session, a.source,
+                     describe(e));
+        // Back to square one: a fresh snapshot from a (new) source.
+        I.set_status(wire::worker_status::fresh, st.step, {}, a.session);
+      } else {
+        spdlog::info("supervisor: rank {} caught up to step {} (session {})", I.o.rank, st.step,
+                     a.session);
+      }
+      deadline = clock_type::now() + I.o.epoch_wait;
+      lk.lock();
+      continue;
+    }
+    if (I.newest && I.newest->epoch > after) {
+      auto n = *I.newest;
+      if (!includes(n, I.o.rank, I.o.incarnation)) {
+        if (member_before)
+          return make_error(errc::fenced,
+                            fmt::format("rank {} (incarnation {:x}) was left out of epoch {}: {}",
+                                        I.o.rank, I.o.incarnation, n.epoch, n.reason));
+        after = n.epoch; // not ours yet: wait for a catch-up or a later epoch
+        continue;
+      }
+      // Streams to joiners admitted by this epoch end here: their last
+      // update is the one committed just before the switch.
+      for (auto& [id, s] : I.sessions)
+        if (!s->broken && has_rank(n, s->assign.joiner))
+          s->end = true;
+      I.cv.notify_all();
+      lk.unlock();
+      auto cl = I.client();
+      // A newer epoch makes this one moot: its members may go straight to
+      // the newest they know (a joiner that caught up meanwhile, a member
+      // that heard of it before the switch), and would never publish here.
+      coll::build_status moot = [&I, epoch = n.epoch]() -> caf::error {
+        std::lock_guard lk(I.mu);
+        if (I.newest && I.newest->epoch > epoch)
+          return make_error(errc::aborted,
+                            fmt::format("epoch {} was superseded by epoch {} while it was built",
+                                        epoch, I.newest->epoch));
+        return {};
+      };
+      auto c = coll::make_host_communicator(I.ctx, {n.epoch, n.ranks}, *cl,
+                                            I.member_status(n.epoch), I.o.host, std::move(moot));
+      lk.lock();
+      if (!c) {
+        if (code_of(c.error()) == errc::aborted)
+          spdlog::info("supervisor: rank {} skips epoch {}: {}", I.o.rank, n.epoch, describe(c.error()));
+        else {
+          spdlog::warn("supervisor: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
+                       describe(c.error()));
+          // Its other members may have built it and wait for this rank.
+          I.note_broken(n.epoch, "could not build the epoch: " + describe(c.error()));
+          lk.unlock();
+          I.send_status();
+          lk.lock();
+        }
+        after = n.epoch;
+        deadline = clock_type::now() + I.o.epoch_wait;
+        continue;
+      }
+      for (auto& p : I.parts)
+        p.reset(); // the last epoch's parts (the trainer is done with them)
+      I.comm = std::move(*c);
+      I.abort_if_left_out(); // an epoch newer still may have come meanwhile
+      I.status.state = wire::worker_status::training;
+      I.status.epoch = n.epoch;
+      I.status.session = 0;
+      I.announce_commit = true;
+      lk.unlock();
+      I.send_status();
+      spdlog::info("supervisor: rank {} in epoch {} ({} members) at step {}", I.o.rank, n.epoch,
+                   n.ranks.size(), st.step);
+      return I.comm.get();
+    }
+    if (clock_type::now() >= deadline)
+      return make_error(errc::timeout,
+                        fmt::format("rank {}: no epoch after {} within {} s", I.o.rank, after,
+                                    std::chrono::duration_cast<std::chrono::seconds>(I.o.epoch_wait)
+                                      .count()));
+  }
+}
+
+expected<coll::communicator*> supervisor::sub_communicator(size_t slot, coll::membership part) {
+  auto& I = *impl_;
+  CMESH_CHECK_LT(slot, I.parts.size());
+  coll::communicator* world = nullptr;
+  std::shared_ptr<coll::host_context> ctx;
+  uint64_t epoch = 0;
+  {
+    std::lock_guard lk(I.mu);
+    if (!I.comm)
+      return make_error(errc::invalid_argument, "no epoch to split");
+    world = I.comm.get();
+    epoch = world->members().epoch;
+    if (!I.part_ctx[slot]) {
+      auto c = coll::host_context::create(I.o.rank);
+      if (!c)
+        return c.error();
+      I.part_ctx[slot] = std::move(*c);
+    }
+    ctx = I.part_ctx[slot];
+  }
+  auto c = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
+                                           I.o.host);
+  if (!c)
+    return c.error();
+  std::lock_guard lk(I.mu);
+  I.parts[slot] = std::move(*c);
+  // A loss or a newer epoch that came while it was built reaches it too.
+  if (auto p = world->poisoned())
+    I.parts[slot]->abort(p);
+  I.abort_if_left_out();
+  return I.parts[slot].get();
+}
+
+} // namespace cmesh::actors
+
+namespace cmesh::actors {
+
+bool supervisor::has_device_collectives() const {
+  return impl_->o.device_collectives != supervisor_options::device_kind::none;
+}
+
+expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll::membership part) {
+  auto& I = *impl_;
+  using kind = supervisor_options::device_kind;
+  CMESH_CHECK_LT(slot, I.devs.size());
+  if (I.o.device_collectives == kind::none)
+    return make_error(errc::invalid_argument, "this worker has no device collectives");
+  const size_t members = part.size();
+  if (part.index_of(I.o.rank) == members)
+    return make_error(errc::invalid_argument,
+                      fmt::format("rank {} is not in the part it asked for", I.o.rank));
+  coll::communicator* world = nullptr;
+  uint64_t epoch = 0;
+  std::shared_ptr<coll::host_context> ctx;
+  std::unique_ptr<coll::communicator> old; // destroyed outside the lock
+  {
+    std::lock_guard lk(I.mu);
+    if (!I.comm)
+      return make_error(errc::invalid_argument, "no epoch for a device communicator");
+    world = I.comm.get();
+    epoch = world->members().epoch;
+    auto& d = I.devs[slot];
+    if (d && I.dev_epochs[slot] == epoch && d->members().ranks == part.ranks)
+      return d.get();
+    old = std::move(d);
+    // A loss that ends this epoch while its communicator is built poisons
+    // `world` (the exchange below fails) or is caught after it (below).
+    I.dev_abort.store(false);
+    if (I.o.device_collectives == kind::host && !I.dev_ctx[slot]) {
+      auto c = coll::host_context::create(I.o.rank);
+      if (!c)
+        return c.error();
+      I.dev_ctx[slot] = std::move(*c);
+    }
+    ctx = I.dev_ctx[slot];
+  }
+  old.reset();
+  const int64_t t0 = mono_ns();
+  expected<std::unique_ptr<coll::communicator>> made =
+    make_error(errc::invalid_argument, "no device collectives in this build");
+  if (I.o.device_collectives == kind::host) {
+    made = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
+                                           I.o.host);
+  } else {
+#ifdef CMESH_HAVE_NCCL
+    // The first member of each part makes its unique id; every member
+    // sends [made, 16 words of id] (zeros unless it made one) to every
+    // other over the epoch's host communicator and takes its part's.
+    constexpr size_t words = 1 + sizeof(coll::nccl_unique_id) / sizeof(int64_t);
+    static_assert(sizeof(coll::nccl_unique_id) % sizeof(int64_t) == 0);
+    const size_t n = world->size(), me = world->index();
+    std::vector<int64_t> msgs(n * words, 0);
+    std::string why;
+    if (part.ranks[0] == I.o.rank) {
+      if (auto id = coll::make_nccl_unique_id()) {
+        msgs[me * words] = 1;
+        std::memcpy(&msgs[me * words + 1], id->data(), id->size());
+      } else {
+        why = describe(id.error());
+      }
+    }
+    std::vector<int64_t> mine(msgs.begin() + static_cast<ptrdiff_t>(me * words),
+                              msgs.begin() + static_cast<ptrdiff_t>((me + 1) * words));
+    if (auto e = world->all_gather(mine.data(), msgs.data(), std::vector<size_t>(n, words),
+                                   coll::dtype::int64))
+      return e;
+    const size_t leader = world->members().index_of(part.ranks[0]);
+    if (leader == n || msgs[leader * words] != 1)
+      return make_error(errc::transport_failure,
+                        fmt::format("epoch {}: rank {} could not make an NCCL unique id{}", epoch,
+                                    part.ranks[0], why.empty() ? "" : ": " + why));
+    coll::nccl_unique_id id{};
+    std::memcpy(id.data(), &msgs[leader * words + 1], id.size());
+    coll::nccl_options no;
+    no.device = I.o.device;
+    no.abort_flag = &I.dev_abort;
+    no.name = fmt::format("cmesh-epoch-{}-{}", epoch, slot == 0 ? "group" : "cross");
+    made = coll::make_nccl_communicator(std::move(part), I.o.rank, id, I.member_status(epoch),
+                                        no);
+#endif
+  }
+  if (!made)
+    return made.error();
+  spdlog::info("supervisor: rank {} built epoch {}'s device communicator {} ({}, {} members) in "
+               "{:.1f} ms",
+               I.o.rank, epoch, slot, I.o.device_collectives == kind::host ? "host backend" : "NCCL",
+               members, static_cast<double>(mono_ns() - t0) / 1e6);
+  std::lock_guard lk(I.mu);
+  auto& d = I.devs[slot];
+  d = std::move(*made);
+  I.dev_epochs[slot] = epoch;
+  if (auto p = world->poisoned())
+    d->abort(p);
+  I.abort_if_left_out();
+  return d.get();
 }
 
 } // namespace cmesh::actors

@@ -1,118 +1,112 @@
-// The coordinator's supervisor: decides the epochs and pushes them.
+// The worker's supervisor: between a rank's trainer and the coordinator.
 //
-// It listens to the coordinator's worker events (registrations, status
-// beacons, disconnects) and, on every change and every tick, asks
-// recovery::compute_quorum what the next epoch is, with the replica groups
-// as members (group g is ranks g*S .. g*S+S-1; its incarnation is the
-// newest of its ranks', so a restarted rank makes the group a new member):
-//   - a rank is live while its connection is open and its beacons keep
-//     coming (heartbeat_timeout_ms of silence is death: a SIGSTOPped rank);
-//     a closed connection (SIGKILL) is death at once; a group lives while
-//     all its ranks do with the incarnations they had in the epoch;
-//   - a non-member group counts as a joiner only once every rank of it is
-//     `ready` (caught up and following its source's stream), or, before the
-//     first epoch, `fresh`;
-//   - a new epoch is pushed at once to every connected worker
-//     (epoch_notice); a `fail` decision is pushed too, and failure() says
-//     why (every group dead, or too few left: a restart from a checkpoint
-//     is needed).
-// Catch-up: a restarted rank (non-member, `fresh` after the first epoch) is
-// given a source among the live members at its own position in their
-// groups (they hold the same shard), rotating over them session by
-// session, and both are sent a catchup_assign. A joiner whose session
-// failed reports `fresh` with that session again and gets a new one.
+// It beacons the rank's status to the coordinator (worker_status, every
+// beacon interval and on each change: the coordinator's heartbeat), receives
+// its pushes (epoch_notice, catchup_assign) on the client's I/O thread, and:
+//   - aborts the running communicator the moment an epoch arrives that
+//     leaves out one of its members (nobody waits for a library timeout);
+//   - hands the trainer the communicator of each epoch it is a member of
+//     (enter_epoch), built on the process's host context under the epoch's
+//     own rendezvous namespace; a rank left out of an epoch it belonged to
+//     is fenced (errc::fenced) and must restart as a new incarnation;
+//   - as a catch-up source: copies a snapshot of its state at the next step
+//     boundary (a memcpy on the trainer's thread) and sends it to the joiner
+//     from a thread of its own, then streams every committed update after
+//     it, until it switches to an epoch that includes the joiner (the end of
+//     the stream). Training does not wait for any of this. The stream is a
+//     bounded queue: a joiner that falls stream_max steps behind is cut off
+//     and asks again.
+//   - as a joiner: receives the snapshot and the stream, reports `ready`
+//     (the coordinator admits it to the next epoch), and enters that epoch
+//     when the stream ends.
 //
-// Replica verification: a member's replica_divergence report takes the
-// minority groups' ranks out as lost (they are fenced by the next epoch and
-// catch up from the majority), or, with no majority, fails the job.
-//
-// Every failure, epoch change, catch-up start and end, divergence, and the
-// first commit of each epoch goes to the event log (events.hpp).
+// Catch-up sessions run a two-member host communicator on a host context of
+// their own (one UCP worker per session, so the trainer's worker is never
+// touched from another thread; eager protocol, since rendezvous moved these
+// buffers sent once ten times slower) with epoch id catchup_epoch(session), a
+// namespace that training epochs (below 2^15) never reach.
 #pragma once
 
-#include "actors/events.hpp"
-#include "recovery/health.hpp"
-#include "recovery/quorum.hpp"
+#include "actors/trainer.hpp"
+#include "collectives/host/host_communicator.hpp"
 #include "transport/bootstrap.hpp"
 
 #include <chrono>
 #include <memory>
 #include <optional>
-#include <string>
-#include <vector>
 
 namespace cmesh::actors {
 
 struct supervisor_options {
-  uint32_t groups = 1;          // replica groups R
-  uint32_t ranks_per_group = 1; // S: group g is ranks g*S .. g*S+S-1
-  /// The run's last step: once a member reached it, no joiner is admitted.
-  uint64_t target_step = 0;
-  recovery::quorum_options quorum{.min_replicas = 1, .join_window_ms = 500, .heartbeat_timeout_ms = 1500};
-  std::chrono::milliseconds tick{20};
-  /// A broken epoch that cannot be replaced for this long (no quorum, and
-  /// none formed by returning groups) fails the job: restart from checkpoint.
-  int64_t quorum_wait_ms = 120000;
-  /// Print a line on stdout for each loss, epoch, catch-up and first commit.
-  bool print = false;
+  uint32_t rank = 0;
+  uint64_t incarnation = 0;
+  std::chrono::milliseconds beacon_interval{100};
+  /// How long enter_epoch waits for an epoch (or a catch-up) before timeout.
+  std::chrono::milliseconds epoch_wait{120000};
+  /// Committed updates queued for one joiner before its stream is cut.
+  size_t stream_max = 64;
+  coll::host_options host;
+  /// Step watchdog: a computation of one step longer than this is a hang
+  /// of this rank; the supervisor reports it and ends the process (exit_hung) so
+  /// that the survivors go on and the launcher restarts it. 0: off.
+  std::chrono::milliseconds step_timeout{0};
+  /// Chunk of the catch-up transfers (a two-member broadcast).
+  size_t catchup_chunk_bytes = size_t{8} << 20;
+  /// Nice value added to the threads that serve and receive a catch-up
+  /// (0: none): on a host shared with training ranks, the catch-up takes
+  /// the cores they leave idle rather than slowing their steps.
+  int catchup_nice = 0;
+  /// Where the coordinator is and how this worker registered: when the
+  /// connection is lost, the supervisor reconnects and registers again (a
+  /// restarted coordinator rebuilds its state from the workers). Unset: no
+  /// reconnecting.
+  std::optional<host_port> coordinator;
+  wire::register_worker registration;
+  /// The trainer's collectives over device memory
+  /// (supervision::device_communicator): none; host (the device is
+  /// emulated in host memory, so a host communicator serves); nccl (an NCCL
+  /// communicator on CUDA device `device`).
+  enum class device_kind { none, host, nccl };
+  device_kind device_collectives = device_kind::none;
+  int device = -1; // nccl: the CUDA device ordinal (-1: NCCL's default choice)
 };
 
-class supervisor {
-public:
-  /// Hooks into `coord`'s events; `coord` must outlive it.
-  supervisor(coordinator& coord, supervisor_options o, std::shared_ptr<event_log> log);
-  ~supervisor();
+/// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).
+uint64_t catchup_epoch(uint64_t session);
 
+/// Exit code of a worker that its step watchdog found hung.
+constexpr int exit_hung = 5;
+
+class supervisor final : public supervision {
+public:
+  /// Takes over the worker's coordinator connection.
+  supervisor(supervisor_options o, coordinator_client client, std::shared_ptr<coll::host_context> ctx);
+  ~supervisor() override;
+
+  /// Installs the control handler and starts beaconing.
   void start();
-  /// Stops the decision thread; idempotent.
+  /// Stops beaconing and every catch-up session; idempotent.
   void stop();
 
-  /// The reason of a `fail` decision, once one was made.
-  std::optional<std::string> failure() const;
+  /// The trainer has finished at `step`: beacons say so until stop(), and
+  /// `done` is reported (again to a coordinator that restarts meanwhile).
+  void finished(uint64_t step, const wire::report& done);
 
-  /// The ranks of the current epoch (empty before the first one).
-  std::vector<uint32_t> members() const;
-  uint64_t epoch() const;
+  /// The current connection to the coordinator (it changes when the supervisor
+  /// reconnects to a restarted coordinator).
+  std::shared_ptr<coordinator_client> client() const;
 
-  /// What the supervisor knows, for the launcher (job end, chaos triggers).
-  struct rank_view {
-    uint32_t rank = 0;
-    uint64_t incarnation = 0;
-    bool member = false;
-    bool live = false;
-    uint8_t state = 0; // wire::worker_status::state_t
-    uint64_t step = 0;
-  };
-  struct view {
-    uint64_t epoch = 0;
-    std::vector<rank_view> ranks;
-    uint64_t max_member_step = 0;
-    /// The source of the newest catch-up whose joiner is not a member yet.
-    std::optional<uint32_t> catchup_source;
-  };
-  view snapshot() const;
-
-  /// What recovery cost over the job so far: the launcher's last line, and
-  /// the event log's last event ("recovery_summary", written at stop).
-  struct recovery_summary {
-    uint64_t epochs = 0;     // epochs announced, the first one included
-    uint64_t ranks_lost = 0; // members found dead (connection closed, or silent)
-    uint64_t reforms = 0;    // epochs re-formed with every process alive (a failed step)
-    uint64_t catchups = 0;   // catch-up sessions assigned
-    uint64_t divergences = 0; // replica divergences reported (verification)
-    /// From each failure (a member lost, a step failed) that no commit
-    /// followed yet to the survivors' next committed step.
-    std::vector<int64_t> failure_to_commit_ms;
-    /// From a rank's registration (its restart) to the epoch that admits
-    /// it after it caught up.
-    std::vector<int64_t> rejoin_ms;
-    /// One line for the user ("" when nothing failed and nobody rejoined).
-    std::string describe() const;
-  };
-  recovery_summary summary() const;
-
-  /// Writes an event of the caller's (the launcher's restarts) to the same log.
-  void note(std::string_view event, const event_fields& fields);
+  expected<coll::communicator*> enter_epoch(uint64_t after, const caf::error& why,
+                                            train_state& state, const apply_update& apply) override;
+  uint64_t newest_epoch() const override;
+  void at_boundary(const train_state& state) override;
+  void committed(uint64_t k, std::span<const float> update) override;
+  void computing(bool on) override;
+  void abort_epoch(const caf::error& why) override;
+  void report_divergence(const wire::replica_divergence& d) override;
+  expected<coll::communicator*> sub_communicator(size_t slot, coll::membership part) override;
+  bool has_device_collectives() const override;
+  expected<coll::communicator*> device_communicator(size_t slot, coll::membership part) override;
 
   struct impl;
 

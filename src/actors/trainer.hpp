@@ -138,7 +138,7 @@ constexpr size_t norm_block = 4096;
 /// state and update give the same result on every rank.
 using apply_update = std::function<void(uint64_t k, std::span<const float> update)>;
 
-/// What the trainer needs from supervision (actors/agent.hpp implements it
+/// What the trainer needs from supervision (actors/supervisor.hpp implements it
 /// over the coordinator). Without one, the trainer runs on one fixed
 /// communicator and any failure ends the run.
 class supervision {

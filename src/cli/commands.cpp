@@ -1,7 +1,7 @@
 #include "cli/commands.hpp"
 
-#include "actors/agent.hpp"
 #include "actors/supervisor.hpp"
+#include "actors/epoch_manager.hpp"
 #include "chaos/plan.hpp"
 #include "cli/ring.hpp"
 #include "cli/train.hpp"
@@ -41,7 +41,7 @@ void fail_line(const std::string& what) {
 /// one disconnected before it was done, or the deadline passed).
 struct job_outcome {
   bool ok = false;
-  bool no_epoch = false; // the supervisor found that no epoch can form
+  bool no_epoch = false; // the epoch manager found that no epoch can form
   std::string reason;
   std::map<uint32_t, std::string> done;
 };
@@ -89,22 +89,22 @@ job_outcome await_job(coordinator& coord, uint32_t world_size, std::chrono::seco
 
 /// What recovery cost over a supervised job, one line (nothing when no
 /// failure happened and nobody rejoined).
-void print_recovery(const actors::supervisor* sup) {
-  if (!sup)
+void print_recovery(const actors::epoch_manager* manager) {
+  if (!manager)
     return;
-  if (auto line = sup->summary().describe(); !line.empty())
+  if (auto line = manager->summary().describe(); !line.empty())
     fmt::print("cmesh: recovery: {}\n", line);
   std::fflush(stdout); // before an error line on stderr
 }
 
-/// The supervisor of a training job, from the flags.
-expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord,
+/// The epoch manager of a training job, from the flags.
+expected<std::unique_ptr<actors::epoch_manager>> make_epoch_manager(coordinator& coord,
                                                               const job_options& job,
                                                               uint64_t target_step) {
   auto log = actors::event_log::open(job.supervise.events);
   if (!log)
     return log.error();
-  actors::supervisor_options so;
+  actors::epoch_manager_options so;
   so.groups = static_cast<uint32_t>(replica_groups(job.train, job.world_size));
   so.ranks_per_group = static_cast<uint32_t>(ranks_per_group(job.train, job.world_size));
   so.target_step = target_step;
@@ -117,19 +117,19 @@ expected<std::unique_ptr<actors::supervisor>> make_supervisor(coordinator& coord
   so.quorum_wait_ms = job.supervise.quorum_wait_ms;
   if (auto e = recovery::validate(so.quorum))
     return e;
-  auto sup = std::make_unique<actors::supervisor>(coord, so, *log);
-  sup->start();
-  return sup;
+  auto manager = std::make_unique<actors::epoch_manager>(coord, so, *log);
+  manager->start();
+  return manager;
 }
 
 /// Waits for the end of a supervised training job: every member of the
 /// current epoch that is training reported "done" (a joiner still catching
-/// up when the others finish is left behind), or the supervisor found that
+/// up when the others finish is left behind), or the epoch manager found that
 /// no epoch can form, or the deadline passed. `each_tick` (the launcher's
 /// restarts and chaos) runs every 20 ms and may end the job with a reason.
-job_outcome await_training(coordinator& coord, actors::supervisor& sup,
+job_outcome await_training(coordinator& coord, actors::epoch_manager& manager,
                            std::chrono::seconds timeout,
-                           const std::function<std::string(const actors::supervisor::view&)>&
+                           const std::function<std::string(const actors::epoch_manager::view&)>&
                              each_tick = {}) {
   job_outcome out;
   auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -145,12 +145,12 @@ job_outcome await_training(coordinator& coord, actors::supervisor& sup,
         fmt::print("cmesh: rank {} {}: {}\n", r.rank, r.key, r.value);
       }
     }
-    if (auto why = sup.failure()) {
+    if (auto why = manager.failure()) {
       out.no_epoch = true;
       out.reason = "no epoch can form: " + *why;
       return out;
     }
-    auto v = sup.snapshot();
+    auto v = manager.snapshot();
     bool any_done = false, all_done = v.epoch != 0;
     for (auto& r : v.ranks) {
       if (!r.member)
@@ -226,17 +226,17 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
     target = cfg->train.steps;
   }
   coordinator coord(co);
-  // The supervisor hears every registration: it is hooked in before the
+  // The epoch manager hears every registration: it is hooked in before the
   // coordinator listens (workers that outlived a coordinator reconnect at
   // once).
-  std::unique_ptr<actors::supervisor> sup;
+  std::unique_ptr<actors::epoch_manager> manager;
   if (job.job == "train") {
-    auto s = make_supervisor(coord, job, target);
+    auto s = make_epoch_manager(coord, job, target);
     if (!s) {
       fail_line(describe(s.error()));
       return 2;
     }
-    sup = std::move(*s);
+    manager = std::move(*s);
   }
   if (auto e = coord.start()) {
     fail_line(describe(e));
@@ -245,14 +245,14 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
   fmt::print("cmesh: coordinator listening on {}:{} for {} workers\n", bind, coord.port(),
              job.world_size);
   std::fflush(stdout);
-  auto out = sup ? await_training(coord, *sup, std::chrono::seconds(job.timeout_s))
+  auto out = manager ? await_training(coord, *manager, std::chrono::seconds(job.timeout_s))
                  : await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s));
-  if (sup)
-    sup->stop(); // workers leaving now are not failures
+  if (manager)
+    manager->stop(); // workers leaving now are not failures
   coord.broadcast_shutdown(out.ok ? 0 : 1, out.ok ? "job done" : out.reason);
   std::this_thread::sleep_for(200ms); // let the shutdown frames leave
   coord.stop();
-  print_recovery(sup.get());
+  print_recovery(manager.get());
   if (!out.ok) {
     fail_line(out.reason);
     return 1;
@@ -523,7 +523,7 @@ struct launched_checkpointer {
 
   /// Errors: a line for the launcher (it could not be started).
   std::string start(const std::string& exe, const job_options& job, const std::string& address,
-                    actors::supervisor* sup) {
+                    actors::epoch_manager* manager) {
     std::string err;
     auto args = worker_args(job);
     args.front() = "checkpointer";
@@ -531,15 +531,15 @@ struct launched_checkpointer {
     proc = child_process::spawn(exe, args, {{"CMESH_COORDINATOR", address}}, &err);
     if (proc.pid() < 0)
       return "cannot start the checkpointer: " + err;
-    if (sup)
-      sup->note("checkpointer_started", {{"pid", int64_t{proc.pid()}}});
+    if (manager)
+      manager->note("checkpointer_started", {{"pid", int64_t{proc.pid()}}});
     return {};
   }
 
   /// One that died is started again (the writing ranks link to the new
   /// one and seed it), up to --max-restarts. Errors: a reason to end the job.
   std::string keep(const std::string& exe, const job_options& job, const std::string& address,
-                   actors::supervisor& sup, double t) {
+                   actors::epoch_manager& manager, double t) {
     if (proc.pid() <= 0)
       return {};
     auto st = proc.poll();
@@ -547,22 +547,22 @@ struct launched_checkpointer {
       return {};
     fmt::print("cmesh: the checkpointer (pid {}) ended: {} (t+{:.3f} s)\n", proc.pid(),
                describe_wait_status(*st), t);
-    sup.note("checkpointer_exit",
+    manager.note("checkpointer_exit",
              {{"pid", int64_t{proc.pid()}}, {"status", describe_wait_status(*st)}});
     if (restarts++ >= job.supervise.max_restarts)
       return "the checkpointer ended too often";
-    return start(exe, job, address, &sup);
+    return start(exe, job, address, &manager);
   }
 
   /// Chaos kill-checkpointer@STEP.
-  void kill(uint64_t step, actors::supervisor& sup, double t) {
+  void kill(uint64_t step, actors::epoch_manager& manager, double t) {
     if (!proc.running()) {
       fmt::print("cmesh: chaos: no checkpointer to kill at step {} (--checkpointer)\n", step);
       return;
     }
     fmt::print("cmesh: chaos: SIGKILL the checkpointer (pid {}) at step {} (t+{:.3f} s)\n",
                proc.pid(), step, t);
-    sup.note("chaos", {{"signal", std::string("SIGKILL (checkpointer)")},
+    manager.note("chaos", {{"signal", std::string("SIGKILL (checkpointer)")},
                        {"pid", int64_t{proc.pid()}},
                        {"step", step}});
     proc.signal(SIGKILL);
@@ -570,7 +570,7 @@ struct launched_checkpointer {
 
   /// At the attempt's end: SIGTERM, and it writes the newest whole step and
   /// exits. False when it failed or had to be killed.
-  bool stop(const job_options& job, actors::supervisor* sup) {
+  bool stop(const job_options& job, actors::epoch_manager* manager) {
     if (proc.pid() <= 0 || !proc.running())
       return true;
     proc.signal(SIGTERM);
@@ -584,15 +584,15 @@ struct launched_checkpointer {
       fmt::print(stderr, "cmesh: the checkpointer ended with {}\n", describe_wait_status(*st));
       ok = false;
     }
-    if (sup)
-      sup->note("checkpointer_exit",
+    if (manager)
+      manager->note("checkpointer_exit",
                 {{"pid", int64_t{proc.pid()}},
                  {"status", st ? describe_wait_status(*st) : std::string("killed")}});
     return ok;
   }
 };
 
-/// One attempt of a launched job: a coordinator, its supervisor and the
+/// One attempt of a launched job: a coordinator, its epoch manager and the
 /// workers, until the job ends. `resumable`: it ended because no epoch can
 /// form (every replica group lost), which a restart of every worker from
 /// the checkpoints repairs; with `may_resume` that is said as a line, not
@@ -603,14 +603,14 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
   const bool own_nccl_hosts = ls.own_nccl_hosts;
   size_t& next_action = ls.next_action;
   coordinator coord(ls.co);
-  std::unique_ptr<actors::supervisor> sup;
+  std::unique_ptr<actors::epoch_manager> manager;
   if (job.job == "train") {
-    auto sp = make_supervisor(coord, job, target);
-    if (!sp) {
-      fail_line(describe(sp.error()));
+    auto made = make_epoch_manager(coord, job, target);
+    if (!made) {
+      fail_line(describe(made.error()));
       return 2;
     }
-    sup = std::move(*sp);
+    manager = std::move(*made);
   }
   if (auto e = coord.start()) {
     fail_line(describe(e));
@@ -618,8 +618,8 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
   }
   auto address = fmt::format("127.0.0.1:{}", coord.port());
   fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);
-  if (sup && ls.job_restarts > 0)
-    sup->note("job_restart", {{"restart", uint64_t{ls.job_restarts}},
+  if (manager && ls.job_restarts > 0)
+    manager->note("job_restart", {{"restart", uint64_t{ls.job_restarts}},
                               {"resume", job.supervise.durable.resume}});
   if (!plan.empty() && ls.job_restarts == 0)
     fmt::print("cmesh: chaos plan {} (seed {})\n", chaos::to_string(plan), job.supervise.chaos_seed);
@@ -652,13 +652,13 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       fail_line("cannot start worker: " + err);
       return false;
     }
-    if (sup)
-      sup->note("worker_started", {{"rank", uint64_t{r}}, {"pid", int64_t{workers[r].pid()}}});
+    if (manager)
+      manager->note("worker_started", {{"rank", uint64_t{r}}, {"pid", int64_t{workers[r].pid()}}});
     return true;
   };
   launched_checkpointer checkpointer;
   if (job.job == "train" && job.supervise.durable.checkpointer && job.supervise.durable.writes())
-    if (auto e = checkpointer.start(exe, job, address, sup.get()); !e.empty()) {
+    if (auto e = checkpointer.start(exe, job, address, manager.get()); !e.empty()) {
       fail_line(e);
       return 3;
     }
@@ -682,14 +682,14 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
                  workers[r].pid(), step, secs_since_start());
       std::fflush(stdout);
-      sup->note("chaos", {{"signal", std::string(name)},
+      manager->note("chaos", {{"signal", std::string(name)},
                           {"rank", uint64_t{r}},
                           {"pid", int64_t{workers[r].pid()}},
                           {"step", step}});
       workers[r].signal(sig);
     };
     const auto per_group = static_cast<uint32_t>(ranks_per_group(job.train, job.world_size));
-    auto tick = [&](const actors::supervisor::view& v) -> std::string {
+    auto tick = [&](const actors::epoch_manager::view& v) -> std::string {
       auto now = clock::now();
       // SIGINT or SIGTERM: every worker is asked to stop after a step they
       // agree on (checkpointed); a second one ends the job at once.
@@ -701,7 +701,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
                    "(again to end them at once)\n",
                    job.supervise.durable.writes() ? ", checkpoints it," : "");
         std::fflush(stdout);
-        sup->note("stop", {{"step", v.max_member_step}});
+        manager->note("stop", {{"step", v.max_member_step}});
         for (auto& w : workers)
           if (w.running())
             w.signal(SIGTERM);
@@ -732,9 +732,9 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
           for (uint32_t r = 0; r < workers.size(); ++r)
             signal_rank(r, SIGKILL, "SIGKILL (kill-all)", v.max_member_step);
         } else if (a.kind == chaos::action_kind::kill_checkpointer) {
-          checkpointer.kill(v.max_member_step, *sup, secs_since_start());
+          checkpointer.kill(v.max_member_step, *manager, secs_since_start());
         } else if (a.kind == chaos::action_kind::corrupt) {
-          sup->note("chaos", {{"action", std::string("corrupt")}, {"step", v.max_member_step},
+          manager->note("chaos", {{"action", std::string("corrupt")}, {"step", v.max_member_step},
                               {"what", corrupt_newest_checkpoint(job.supervise.durable)}});
         } else if (a.kind == chaos::action_kind::kill_source) {
           // Waits for a catch-up to run whose source is not the last live member.
@@ -778,7 +778,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
         }
       }
       if (ls.signals_seen == 0)
-        if (auto e = checkpointer.keep(exe, job, address, *sup, secs_since_start()); !e.empty())
+        if (auto e = checkpointer.keep(exe, job, address, *manager, secs_since_start()); !e.empty())
           return e;
       // Dead workers are restarted after the delay, up to max_restarts each.
       size_t alive = 0;
@@ -791,7 +791,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
           fmt::print("cmesh: restarting worker {} (restart {} of {}, t+{:.3f} s)\n", r,
                       restarts[r], job.supervise.max_restarts, secs_since_start());
           std::fflush(stdout);
-          sup->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
+          manager->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
           signalled_down[r] = false;
           if (!start_worker(r, true))
             return "cannot restart a worker";
@@ -802,7 +802,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
             if (!exited_ok[r]) {
               fmt::print("cmesh: worker {} (pid {}) ended: {} (t+{:.3f} s)\n", r,
                          workers[r].pid(), exit_text(*st), secs_since_start());
-              sup->note("worker_exit", {{"rank", uint64_t{r}},
+              manager->note("worker_exit", {{"rank", uint64_t{r}},
                                         {"pid", int64_t{workers[r].pid()}},
                                         {"status", exit_text(*st)}});
               // A usage error (bad flags or environment, a registration the
@@ -826,7 +826,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
         return "every worker has exited";
       return {};
     };
-    out = await_training(coord, *sup, std::chrono::seconds(job.timeout_s), tick);
+    out = await_training(coord, *manager, std::chrono::seconds(job.timeout_s), tick);
   } else {
     auto early_exit = [&]() -> std::string {
       for (uint32_t r = 0; r < workers.size(); ++r)
@@ -837,8 +837,8 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
     };
     out = await_job(coord, job.world_size, std::chrono::seconds(job.timeout_s), early_exit);
   }
-  if (sup)
-    sup->stop(); // workers leaving now are not failures
+  if (manager)
+    manager->stop(); // workers leaving now are not failures
   coord.broadcast_shutdown(out.ok ? 0 : 1, out.ok ? "job done" : out.reason);
   int rc = out.ok ? 0 : 1;
   for (uint32_t r = 0; r < workers.size(); ++r) {
@@ -855,15 +855,15 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       rc = 1;
     }
   }
-  if (!checkpointer.stop(job, sup.get()))
+  if (!checkpointer.stop(job, manager.get()))
     rc = 1;
-  if (sup)
-    sup->stop();
+  if (manager)
+    manager->stop();
   coord.stop();
-  print_recovery(sup.get());
+  print_recovery(manager.get());
   resumable = !out.ok && out.no_epoch;
   if (!out.ok) {
-    if (!resumable || !may_resume) // else the supervisor said it, and the job restarts
+    if (!resumable || !may_resume) // else the epoch manager said it, and the job restarts
       fail_line(out.reason);
     return 1;
   }

@@ -1,6 +1,6 @@
 #include "cli/train.hpp"
 
-#include "actors/agent.hpp"
+#include "actors/supervisor.hpp"
 #include "actors/checkpoint.hpp"
 #include "actors/checkpointer.hpp"
 #include "actors/trainer.hpp"
@@ -136,7 +136,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   if (!ctx)
     return report_failure(ctx.error());
 
-  actors::agent_options ao;
+  actors::supervisor_options ao;
   ao.rank = rank;
   ao.incarnation = j.incarnation;
   ao.coordinator = j.coordinator_address;
@@ -146,21 +146,21 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   // The gradient's sum over the groups on the device (trainer.hpp): NCCL
   // on the model's GPU, or the host backend over the emulated device.
   if (config.train.device == "emulated")
-    ao.device_collectives = actors::agent_options::device_kind::host;
+    ao.device_collectives = actors::supervisor_options::device_kind::host;
 #ifdef CMESH_HAVE_NCCL
   if (config.train.device == "cuda") {
-    ao.device_collectives = actors::agent_options::device_kind::nccl;
+    ao.device_collectives = actors::supervisor_options::device_kind::nccl;
     const auto acc = kernels::query_accelerators();
     if (!acc.devices.empty())
       ao.device = static_cast<int>(rank % acc.devices.size()); // the model's GPU
   }
 #endif
-  // The agent owns the coordinator connection from here on (it reconnects
+  // The supervisor owns the coordinator connection from here on (it reconnects
   // to a coordinator that restarts).
-  actors::agent agent(ao, std::move(j.coordinator), *ctx);
-  agent.start();
+  actors::supervisor sup(ao, std::move(j.coordinator), *ctx);
+  sup.start();
   auto report_failure_late = [&](const caf::error& e) {
-    agent.client()->report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
+    sup.client()->report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
                             mono_ns()});
     return e;
   };
@@ -206,7 +206,6 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   std::unique_ptr<actors::checkpointer_feed> remote;
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
-  auto* sup = &agent;
   auto make_listener = [&](model::model& net) -> actors::commit_listener* {
     if (shadow.durable.checkpointer && shadow.durable.writes()) {
       actors::checkpointer_feed_options co;
@@ -229,7 +228,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
     feed = std::make_unique<actors::shadow_feed>(sys, std::move(so));
     return feed.get();
   };
-  spawn_blocking(sys, [done, opts, data = *data, sup, rank,
+  spawn_blocking(sys, [done, opts, data = *data, watcher = &sup, rank,
                        &make_listener](caf::blocking_actor*) mutable {
     const auto& d = opts.config.train.device;
     const auto where = d == "cuda"       ? model::compute_device::cuda
@@ -241,18 +240,18 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
       return;
     }
     opts.listener = make_listener(**net);
-    actors::trainer t(opts, std::move(*net), data, *sup, rank);
+    actors::trainer t(opts, std::move(*net), data, *watcher, rank);
     done->set_value(t.run());
   });
   // While it runs, the job may end (the coordinator's shutdown: the others
-  // finished, or the job failed) or time out: either stops the agent, which
+  // finished, or the job failed) or time out: either stops the supervisor, which
   // aborts whatever the trainer waits on.
   auto give_up = std::chrono::steady_clock::now() + timeout;
   while (fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
-    auto sd = agent.client()->wait_shutdown(std::chrono::milliseconds(0));
+    auto sd = sup.client()->wait_shutdown(std::chrono::milliseconds(0));
     bool ended = static_cast<bool>(sd) || std::chrono::steady_clock::now() > give_up;
     if (ended) {
-      agent.stop();
+      sup.stop();
       fut.wait();
       if (sd) {
         auto r = fut.get();
@@ -267,7 +266,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   }
   auto result = fut.get();
   if (!result) {
-    agent.stop();
+    sup.stop();
     report_failure_late(result.error());
     if (code_of(result.error()) == errc::fenced)
       return exit_fenced;
@@ -287,7 +286,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   if (result->stopped && rank == 0)
     fmt::print("cmesh: stopped after step {} on request{}\n", result->steps,
                shadow.durable.writes() ? "; --resume latest goes on from there" : "");
-  agent.finished(result->steps,
+  sup.finished(result->steps,
                  {rank, "done",
                   fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
                               result->steps, result->final_loss, result->tokens_per_s,
@@ -305,16 +304,16 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   }
   // Beacons go on until the job ends, so the coordinator never mistakes a
   // finished rank for a dead one while the others finish. A coordinator
-  // that is away is waited for (the agent reconnects to its restart).
+  // that is away is waited for (the supervisor reconnects to its restart).
   auto until = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    auto sd = agent.client()->wait_shutdown(std::chrono::milliseconds(200));
+    auto sd = sup.client()->wait_shutdown(std::chrono::milliseconds(200));
     if (sd) {
-      agent.stop();
+      sup.stop();
       return sd->exit_code;
     }
     if (std::chrono::steady_clock::now() > until) {
-      agent.stop();
+      sup.stop();
       return make_error(errc::timeout, "waiting for the coordinator's shutdown: "
                                          + describe(sd.error()));
     }

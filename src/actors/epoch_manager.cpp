@@ -1,0 +1,772 @@
+#include "actors/epoch_manager.hpp"
+
+#include "core/env.hpp"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace cmesh::actors {
+
+namespace {
+
+int64_t now_ms() {
+  return mono_ns() / 1000000;
+}
+
+constexpr int64_t long_ago = std::numeric_limits<int64_t>::min() / 4;
+
+/// The ranks of groups `gs` (S ranks each, group g holds g*S .. g*S+S-1).
+std::vector<uint32_t> ranks_of(const std::vector<uint32_t>& gs, uint32_t S) {
+  std::vector<uint32_t> out;
+  for (auto g : gs)
+    for (uint32_t p = 0; p < S; ++p)
+      out.push_back(g * S + p);
+  return out;
+}
+
+/// The ranks of the groups of members `ms`.
+std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms, uint32_t S) {
+  std::vector<uint32_t> gs;
+  for (auto& m : ms)
+    gs.push_back(m.group);
+  return ranks_of(gs, S);
+}
+
+} // namespace
+
+struct epoch_manager::impl {
+  /// What the epoch manager knows of one rank's newest incarnation.
+  struct worker {
+    uint64_t incarnation = 0;
+    bool connected = false;
+    int64_t last_ms = long_ago;
+    bool has_status = false;
+    wire::worker_status st;
+    int64_t ready_since_ms = 0; // 0: not ready
+    uint64_t assigned_session = 0;
+    bool lost_reported = false;
+    int64_t lost_ms = 0; // when it was found dead
+    std::string lost_why; // and how ("disconnected", "silent for more than ...")
+    int64_t broken_since_ms = 0; // when it reported st.broken_epoch broken
+    int64_t registered_ms = 0;
+  };
+
+  coordinator& coord;
+  epoch_manager_options o;
+  std::shared_ptr<event_log> log;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+  bool dirty = true;
+  std::map<uint32_t, worker> workers;
+  recovery::epoch current; // its members are replica groups
+  /// The ranks of the current epoch and their incarnations. A group's
+  /// incarnation is the newest of its ranks': a restarted rank makes its
+  /// whole group a new member.
+  std::map<uint32_t, uint64_t> member_ranks;
+  recovery::quorum_decision last;
+  int64_t waiting_since_ms = 0; // a broken epoch waiting for a quorum, since
+  int64_t adopt_seen_ms = 0;    // a restarted coordinator first heard of a running epoch
+  std::optional<std::string> failed;
+  uint64_t next_session = 0;
+  std::optional<std::pair<uint32_t, uint32_t>> newest_catchup; // (joiner, source)
+  int64_t epoch_started_ms = 0;
+  uint64_t max_member_step = 0;
+  uint64_t epoch_base_step = 0;
+  bool first_commit_seen = true;
+  int64_t unresolved_failure_ms = 0; // the first failure no commit followed yet
+  epoch_manager::recovery_summary stats;
+  uint32_t reforms_in_a_row = 0; // broken epochs re-formed with no commit since
+  /// The epoch before the current one, when the current one left nobody
+  /// out of it (a grow or a re-form; 0 otherwise): its members may still
+  /// run it until their agreed switch.
+  uint64_t kept_everyone_of = 0;
+  /// The current epoch's notice aborts the one before (it said so when it
+  /// was announced, or went again to say so).
+  bool aborts_previous = false;
+  int64_t all_silent_since_ms = 0; // every connected member silent at once, since
+  uint64_t divergence_step_seen = UINT64_MAX; // the last divergence report acted on
+  uint64_t divergence_epoch_seen = 0;
+  std::thread thread;
+
+  impl(coordinator& c, epoch_manager_options opts, std::shared_ptr<event_log> l)
+      : coord(c), o(std::move(opts)), log(std::move(l)) {}
+
+  uint32_t S() const { return std::max<uint32_t>(1, o.ranks_per_group); }
+
+  /// A member lost, or a step failed: the survivors' next commit ends it.
+  void failure_at(int64_t now) {
+    if (unresolved_failure_ms == 0)
+      unresolved_failure_ms = now;
+  }
+
+  bool is_member(uint32_t rank, uint64_t inc) const {
+    auto it = member_ranks.find(rank);
+    return it != member_ranks.end() && it->second == inc;
+  }
+
+  /// Makes `e` current; its groups' ranks with their present incarnations.
+  void set_current(recovery::epoch e) {
+    current = std::move(e);
+    member_ranks.clear();
+    for (auto r : ranks_of(current.members, S()))
+      member_ranks[r] = workers[r].incarnation;
+  }
+
+  void on_event(const worker_event& ev);
+  void on_divergence(uint32_t rank, const wire::replica_divergence& d, int64_t now);
+  void fail_job(const std::string& reason);
+  void run();
+  void decide(int64_t now);
+  bool adopt(int64_t now);
+  void assign_catch_ups(int64_t now);
+  void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
+
+  /// The notice of the current epoch: its ranks and their incarnations.
+  wire::epoch_notice current_notice(std::string reason) const {
+    wire::epoch_notice n;
+    n.epoch = current.id;
+    n.reason = std::move(reason);
+    for (auto& [rank, inc] : member_ranks) {
+      n.ranks.push_back(rank);
+      n.incarnations.push_back(inc);
+    }
+    return n;
+  }
+
+  /// Pushes the (new) current epoch to every worker, starts timing its
+  /// first commit from `base_step`, and logs it.
+  void announce_epoch(int64_t now, uint64_t base_step, const std::string& reason,
+                      std::vector<uint32_t> joined, std::vector<uint32_t> left,
+                      bool abort_running = false) {
+    auto n = current_notice(reason);
+    n.abort_running = abort_running;
+    coord.send_control(std::nullopt, n);
+    epoch_started_ms = now;
+    epoch_base_step = base_step;
+    first_commit_seen = false;
+    log->emit("epoch", {{"epoch", current.id},
+                        {"members", n.ranks},
+                        {"joined", std::move(joined)},
+                        {"left", std::move(left)},
+                        {"step", base_step},
+                        {"abort_running", abort_running},
+                        {"reason", reason}});
+  }
+  /// A line for the user (stdout), or for the process's log when printing
+  /// is off. Called with the lock held: the log's writer thread does the
+  /// I/O either way.
+  void say(const std::string& line) {
+    if (!o.print)
+      return log->note("epoch manager: " + line);
+    log->print("cmesh: " + line);
+  }
+};
+
+void epoch_manager::impl::lost(uint32_t rank, worker& w, const std::string& why, int64_t now) {
+  if (w.lost_reported)
+    return;
+  w.lost_reported = true;
+  w.lost_ms = now;
+  w.lost_why = why;
+  bool member = is_member(rank, w.incarnation);
+  if (member) {
+    failure_at(now);
+    ++stats.ranks_lost;
+    // Its peers stop waiting for it now, even if no new epoch can form yet.
+    auto n = current_notice(fmt::format("rank {} lost: {}", rank, why));
+    n.lost = {rank};
+    coord.send_control(std::nullopt, n);
+  }
+  say(fmt::format("rank {} lost{}: {}", rank, member ? "" : " (not a member)", why));
+  log->emit("worker_lost", {{"rank", uint64_t{rank}},
+                            {"incarnation", w.incarnation},
+                            {"member", member},
+                            {"reason", why}});
+}
+
+void epoch_manager::impl::on_event(const worker_event& ev) {
+  std::lock_guard lk(mu);
+  auto now = now_ms();
+  auto& w = workers[ev.rank];
+  switch (ev.what) {
+    case worker_event::type::registered:
+      w = worker{};
+      w.incarnation = ev.incarnation;
+      w.connected = true;
+      w.last_ms = now;
+      w.registered_ms = now;
+      log->emit("registered", {{"rank", uint64_t{ev.rank}}, {"incarnation", ev.incarnation}});
+      break;
+    case worker_event::type::status:
+      if (ev.status.incarnation != w.incarnation)
+        return; // a stale process that outlived its replacement
+      w.last_ms = now;
+      if (w.lost_reported)
+        return; // silent too long: it stays out (it is fenced when it learns)
+      if (ev.status.state == wire::worker_status::ready && w.ready_since_ms == 0
+          && !is_member(ev.rank, w.incarnation)) {
+        w.ready_since_ms = now;
+        log->emit("catchup_ready", {{"rank", uint64_t{ev.rank}},
+                                    {"session", ev.status.session},
+                                    {"step", ev.status.step}});
+      } else if (ev.status.state != wire::worker_status::ready) {
+        w.ready_since_ms = 0;
+      }
+      if (!first_commit_seen && is_member(ev.rank, w.incarnation)
+          && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
+        first_commit_seen = true;
+        reforms_in_a_row = 0;
+        event_fields f{{"epoch", current.id},
+                       {"step", ev.status.step},
+                       {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
+        // The first commit after a failure (an epoch grown by a join, long
+        // after, is not a recovery): timed from the first failure found
+        // since the last commit.
+        std::string since;
+        if (unresolved_failure_ms != 0) {
+          const int64_t ms = now - unresolved_failure_ms;
+          stats.failure_to_commit_ms.push_back(ms);
+          unresolved_failure_ms = 0;
+          f.emplace_back("since_failure_ms", ms);
+          since = fmt::format(", {} ms after the failure", ms);
+        }
+        log->emit("first_commit", f);
+        say(fmt::format("epoch {} committed step {}, {} ms after it began{}", current.id,
+                        ev.status.step, now - epoch_started_ms, since));
+      }
+      if (ev.status.broken_epoch != 0 && ev.status.broken_epoch != w.st.broken_epoch) {
+        w.broken_since_ms = now;
+        const bool current_epoch = is_member(ev.rank, w.incarnation)
+                                   && ev.status.broken_epoch == current.id;
+        if (!current_epoch && !failed && !aborts_previous && is_member(ev.rank, w.incarnation)
+            && ev.status.broken_epoch == kept_everyone_of) {
+          // The epoch before the current one broke after the current one
+          // was announced (a join raced the failure). Its members switch
+          // at their next agreed step boundary, which the broken step will
+          // never reach: the current epoch goes again, telling them to
+          // abort that one now.
+          aborts_previous = true;
+          failure_at(now);
+          auto n = current_notice(fmt::format("epoch {} broke at rank {} ({}) after epoch {} was "
+                                              "announced",
+                                              ev.status.broken_epoch, ev.rank,
+                                              ev.status.broken_reason, current.id));
+          n.abort_running = true;
+          coord.send_control(std::nullopt, n);
+          say(n.reason + "; its members abort it");
+        }
+        if (current_epoch)
+          failure_at(now);
+        log->emit("epoch_broken", {{"rank", uint64_t{ev.rank}},
+                                   {"epoch", ev.status.broken_epoch},
+                                   {"current", current_epoch},
+                                   {"reason", ev.status.broken_reason}});
+        if (current_epoch && !failed)
+          say(fmt::format("rank {}: epoch {} broke: {}", ev.rank, ev.status.broken_epoch,
+                          ev.status.broken_reason));
+      }
+      w.has_status = true;
+      w.st = ev.status;
+      if (current.id == 0 && adopt_seen_ms == 0 && ev.status.epoch > 0)
+        adopt_seen_ms = now;
+      if (is_member(ev.rank, w.incarnation))
+        max_member_step = std::max(max_member_step, ev.status.step);
+      break;
+    case worker_event::type::disconnected:
+      if (ev.incarnation != w.incarnation)
+        return;
+      w.connected = false;
+      lost(ev.rank, w, "disconnected", now);
+      break;
+    case worker_event::type::report:
+      return;
+    case worker_event::type::divergence:
+      on_divergence(ev.rank, ev.divergence, now);
+      break;
+  }
+  dirty = true;
+  cv.notify_all();
+}
+
+/// A member found that the replica groups' states differ: the minority's
+/// ranks are taken out at once, as if dead (their peers retry the step
+/// without them; they are fenced when the next epoch leaves them out, and
+/// restart to catch up from the majority); with no majority the job ends.
+void epoch_manager::impl::on_divergence(uint32_t rank, const wire::replica_divergence& d,
+                                     int64_t now) {
+  if (failed || (d.epoch == divergence_epoch_seen && d.step == divergence_step_seen))
+    return;
+  divergence_epoch_seen = d.epoch;
+  divergence_step_seen = d.step;
+  ++stats.divergences;
+  const auto ranks = ranks_of(d.minority, S());
+  log->emit("replica_divergence", {{"epoch", d.epoch},
+                                   {"step", d.step},
+                                   {"reporter", uint64_t{rank}},
+                                   {"groups", d.minority},
+                                   {"ranks", ranks},
+                                   {"no_majority", d.no_majority},
+                                   {"shards", d.positions},
+                                   {"tensors", d.tensors},
+                                   {"reason", d.reason}});
+  say(fmt::format("replica divergence at step {} in epoch {}: {}; differing: {}", d.step, d.epoch,
+                  d.reason, d.tensors));
+  if (d.no_majority) {
+    fail_job(fmt::format("replica divergence at step {} with no majority to trust ({}); "
+                         "restart from checkpoint needed",
+                         d.step, d.reason));
+    return;
+  }
+  for (auto r : ranks) {
+    auto it = workers.find(r);
+    if (it != workers.end() && is_member(r, it->second.incarnation))
+      lost(r, it->second,
+           fmt::format("diverged: its replica group's state differs from the majority's at "
+                       "step {}",
+                       d.step),
+           now);
+  }
+}
+
+/// Ends the job: every worker is told no epoch can form.
+void epoch_manager::impl::fail_job(const std::string& reason) {
+  if (failed)
+    return;
+  failed = reason;
+  log->emit("failed", {{"epoch", current.id}, {"reason", reason}});
+  say("no epoch can form: " + reason);
+  wire::epoch_notice n;
+  n.epoch = current.id;
+  n.fail = true;
+  n.reason = reason;
+  coord.send_control(std::nullopt, n);
+}
+
+/// A restarted coordinator learns the running epoch from the workers'
+/// beacons (after a settling second, so every survivor re-registered), and
+/// re-forms it at once with the members it hears from.
+bool epoch_manager::impl::adopt(int64_t now) {
+  if (current.id != 0 || adopt_seen_ms == 0)
+    return true;
+  if (now - adopt_seen_ms < 1000)
+    return false;
+  uint64_t e = 0;
+  for (auto& [rank, w] : workers)
+    if (w.connected && w.has_status && w.st.incarnation == w.incarnation)
+      e = std::max(e, w.st.epoch);
+  // A group is adopted when all its ranks still train in that epoch.
+  recovery::epoch adopted{e, {}};
+  std::map<uint32_t, std::pair<uint32_t, uint64_t>> groups; // group -> (ranks, incarnation)
+  for (auto& [rank, w] : workers) {
+    if (!w.connected || !w.has_status || w.st.epoch != e)
+      continue;
+    if (w.st.state != wire::worker_status::training
+        && w.st.state != wire::worker_status::recovering)
+      continue;
+    auto& g = groups[rank / S()];
+    g.first += 1;
+    g.second = std::max(g.second, w.incarnation);
+    max_member_step = std::max(max_member_step, w.st.step);
+  }
+  for (auto& [g, v] : groups)
+    if (v.first == S())
+      adopted.members.push_back({g, v.second});
+  set_current(adopted);
+  say(fmt::format("adopted epoch {} {} from the workers", e, recovery::to_string(current.members)));
+  log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members, S())}});
+  // The members of the running epoch that died while the coordinator was
+  // away are unknown: a new epoch of those heard from drops them (the
+  // others' running step is aborted and retried), and costs the healthy
+  // case only a switch at the next step boundary.
+  current.id = e + 1;
+  auto reason = fmt::format("epoch {} re-formed after the coordinator returned", current.id);
+  announce_epoch(now, max_member_step, reason, {}, {});
+  say(reason);
+  return true;
+}
+
+void epoch_manager::impl::decide(int64_t now) {
+  if (failed)
+    return; // the job is over: the workers leaving now form nothing
+  if (!adopt(now))
+    return;
+  recovery::quorum_state qs;
+  qs.current = current;
+  qs.expected_groups = o.groups;
+  qs.reforms_in_a_row = reforms_in_a_row;
+  // Every connected member silent at once: more likely this process was
+  // held up (a write to its log or event file throttled by the kernel
+  // while a thread held this lock, its beacons unread) than all of them
+  // hanging together. They are credited, for up to 10 heartbeat timeouts,
+  // until their queued beacons are read, and when the first is heard each
+  // gets one more timeout; a closed connection counts at once.
+  {
+    std::vector<worker*> connected;
+    std::vector<int64_t> beacons;
+    for (auto& [rank, inc] : member_ranks) {
+      auto& w = workers[rank];
+      if (w.incarnation == inc && w.connected && !w.lost_reported) {
+        connected.push_back(&w);
+        beacons.push_back(w.last_ms);
+      }
+    }
+    const int64_t timeout = o.quorum.heartbeat_timeout_ms;
+    auto credit = recovery::credit_when_all_silent(beacons, now, timeout, all_silent_since_ms,
+                                                   10 * timeout);
+    if (credit) {
+      if (all_silent_since_ms == 0) {
+        all_silent_since_ms = now;
+        say(fmt::format("every member has been silent for more than {} ms at once: waiting for "
+                        "their beacons before taking any for dead",
+                        timeout));
+        log->emit("all_silent", {{"epoch", current.id}});
+      }
+      for (auto* w : connected)
+        w->last_ms = std::max(w->last_ms, *credit);
+    } else if (std::any_of(beacons.begin(), beacons.end(), [&](int64_t t) {
+                 return !recovery::heartbeat_expired(t, now, timeout);
+               })) {
+      // Someone is heard again: the stall is over. The others' beacons
+      // may still wait unread behind that one's (the I/O thread reads one
+      // connection at a time), so each gets a full timeout from now.
+      if (all_silent_since_ms != 0)
+        for (auto* w : connected)
+          w->last_ms = std::max(w->last_ms, now);
+      all_silent_since_ms = 0;
+    }
+  }
+  // Deaths of member ranks.
+  for (auto& [rank, inc] : member_ranks) {
+    auto& w = workers[rank];
+    if (w.incarnation == inc && w.connected && !w.lost_reported
+        && recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
+      lost(rank, w, fmt::format("silent for more than {} ms", o.quorum.heartbeat_timeout_ms), now);
+  }
+  // One participant per replica group, from its S ranks.
+  std::map<uint32_t, bool> groups; // group -> a member of the current epoch
+  for (auto& [rank, w] : workers)
+    if (w.incarnation != 0)
+      groups[rank / S()] = false;
+  for (auto& m : current.members)
+    groups[m.group] = true;
+  const bool over = o.target_step != 0 && max_member_step >= o.target_step;
+  for (auto& [g, member] : groups) {
+    bool same = member, complete = true, all_joining = true, all_heard = true;
+    int64_t hb = std::numeric_limits<int64_t>::max(), joined = 0;
+    uint64_t inc = 0;
+    for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
+      auto it = workers.find(r);
+      if (it == workers.end() || it->second.incarnation == 0) {
+        complete = same = false; // a group without all its ranks is no survivor
+        break;
+      }
+      auto& w = it->second;
+      bool silent = recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms);
+      // The dead count as silent from the moment they were found dead.
+      hb = std::min(hb, (w.connected && !w.lost_reported)
+                          ? w.last_ms
+                          : std::min(w.last_ms, w.lost_ms - o.quorum.heartbeat_timeout_ms - 1));
+      inc = std::max(inc, w.incarnation);
+      same = same && is_member(r, w.incarnation);
+      bool joining = w.has_status && !w.lost_reported
+                     && ((w.ready_since_ms != 0 && !over)
+                         || (current.id == 0 && w.st.state == wire::worker_status::fresh
+                             && w.st.step == 0));
+      all_joining = all_joining && joining;
+      joined = std::max(joined, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms);
+      all_heard = all_heard && w.has_status && !w.lost_reported && w.connected && !silent;
+    }
+    if (same) {
+      auto m = std::find_if(current.members.begin(), current.members.end(),
+                            [&](auto& x) { return x.group == g; });
+      recovery::participant p;
+      p.who = *m;
+      p.last_heartbeat_ms = hb;
+      // The earliest of its ranks' reports that the current epoch broke,
+      // and how its dead ranks were found dead.
+      for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
+        auto& w = workers[r];
+        if (w.lost_reported)
+          p.lost_reason += (p.lost_reason.empty() ? "" : "; ")
+                           + fmt::format("rank {} {} at t={} ms", r, w.lost_why, w.lost_ms);
+        if (w.st.broken_epoch != current.id || w.broken_since_ms == 0)
+          continue;
+        if (p.broken_since_ms == 0 || w.broken_since_ms < p.broken_since_ms)
+          p.broken_since_ms = w.broken_since_ms;
+        p.broken_reason += (p.broken_reason.empty() ? "" : "; ")
+                           + fmt::format("rank {}: {}", r, w.st.broken_reason);
+      }
+      qs.participants.push_back(std::move(p));
+      continue;
+    }
+    // Not a member (or a member superseded by a restarted rank, which then
+    // counts as lost): a joiner once every rank of it is ready.
+    if (!complete)
+      continue;
+    if (all_joining) {
+      recovery::participant p;
+      p.who = {g, inc};
+      p.last_heartbeat_ms = hb;
+      p.joined_ms = joined;
+      qs.participants.push_back(std::move(p));
+    }
+    else if (all_heard)
+      ++qs.heard_not_ready; // catching up: heard from, not eligible yet
+  }
+  auto d = recovery::compute_quorum(qs, now, o.quorum);
+  if (d.kind == recovery::decision_kind::wait && current.id != 0) {
+    if (waiting_since_ms == 0)
+      waiting_since_ms = now;
+    if (now - waiting_since_ms > o.quorum_wait_ms) {
+      d.kind = recovery::decision_kind::fail;
+      d.reason = fmt::format("no quorum for {} ms ({}); restart from checkpoint needed",
+                             o.quorum_wait_ms, d.reason);
+    }
+  } else {
+    waiting_since_ms = 0;
+  }
+  bool changed_reason = recovery::reason_changed(last, d);
+  switch (d.kind) {
+    case recovery::decision_kind::keep:
+      break;
+    case recovery::decision_kind::wait:
+      if (changed_reason)
+        log->emit("waiting", {{"epoch", current.id}, {"reason", d.reason}});
+      break;
+    case recovery::decision_kind::fail:
+      fail_job(d.reason);
+      break;
+    case recovery::decision_kind::new_epoch: {
+      set_current(d.epoch);
+      uint64_t base = 0;
+      for (auto& [rank, inc] : member_ranks)
+        base = std::max(base, workers[rank].st.step);
+      ++stats.epochs;
+      if (d.reform) {
+        ++reforms_in_a_row;
+        ++stats.reforms;
+      }
+      kept_everyone_of = d.left.empty() ? current.id - 1 : 0;
+      aborts_previous = d.abort_running;
+      announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()),
+                     d.abort_running);
+      for (auto r : ranks_of(d.joined, S()))
+        if (workers[r].ready_since_ms != 0) {
+          stats.rejoin_ms.push_back(now - workers[r].registered_ms);
+          log->emit("catchup_end", {{"rank", uint64_t{r}},
+                                    {"epoch", current.id},
+                                    {"session", workers[r].st.session}});
+        }
+      say(fmt::format("epoch {} {} from step {}: {}", current.id,
+                      recovery::to_string(current.members), base, d.reason));
+      break;
+    }
+  }
+  last = std::move(d);
+}
+
+void epoch_manager::impl::assign_catch_ups(int64_t now) {
+  if (current.id == 0 || failed)
+    return;
+  // A joiner at position p of its group catches up from a member at p
+  // (it holds the same shard).
+  std::vector<std::vector<uint32_t>> healthy(S());
+  for (auto& [rank, inc] : member_ranks) {
+    auto& w = workers[rank];
+    if (w.connected && !w.lost_reported && w.incarnation == inc
+        && !recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
+      healthy[rank % S()].push_back(rank);
+  }
+  for (auto& [rank, w] : workers) {
+    if (!w.connected || w.lost_reported || !w.has_status || is_member(rank, w.incarnation))
+      continue;
+    // Fresh, and it has seen (and failed) our latest assignment, or had none.
+    if (w.st.state != wire::worker_status::fresh || w.st.session < w.assigned_session)
+      continue;
+    const auto& sources = healthy[rank % S()];
+    if (sources.empty())
+      continue;
+    wire::catchup_assign a;
+    a.session = ++next_session;
+    a.joiner = rank;
+    a.joiner_incarnation = w.incarnation;
+    a.source = sources[a.session % sources.size()];
+    w.assigned_session = a.session;
+    ++stats.catchups;
+    coord.send_control(a.joiner, a);
+    coord.send_control(a.source, a);
+    newest_catchup = std::pair{rank, a.source};
+    say(fmt::format("rank {} catches up from rank {} (session {})", rank, a.source, a.session));
+    log->emit("catchup_start", {{"rank", uint64_t{rank}},
+                                {"source", uint64_t{a.source}},
+                                {"session", a.session},
+                                {"step", max_member_step}});
+  }
+}
+
+void epoch_manager::impl::run() {
+  std::unique_lock lk(mu);
+  while (!stopping) {
+    cv.wait_for(lk, o.tick, [&] { return stopping || dirty; });
+    if (stopping)
+      break;
+    dirty = false;
+    auto now = now_ms();
+    decide(now);
+    assign_catch_ups(now);
+  }
+}
+
+epoch_manager::epoch_manager(coordinator& coord, epoch_manager_options o, std::shared_ptr<event_log> log)
+    : impl_(std::make_unique<impl>(coord, std::move(o), std::move(log))) {
+  if (auto e = recovery::validate(impl_->o.quorum))
+    throw std::invalid_argument(describe(e));
+}
+
+epoch_manager::~epoch_manager() {
+  stop();
+}
+
+void epoch_manager::start() {
+  auto* I = impl_.get();
+  I->coord.on_event([I](const worker_event& ev) { I->on_event(ev); });
+  I->thread = std::thread([I] { I->run(); });
+}
+
+namespace {
+
+/// The median (nearest rank: the lower middle of an even count) and the
+/// largest of `v`; 0 and 0 when it is empty.
+std::pair<int64_t, int64_t> median_and_max(std::vector<int64_t> v) {
+  if (v.empty())
+    return {0, 0};
+  std::sort(v.begin(), v.end());
+  return {v[(v.size() - 1) / 2], v.back()};
+}
+
+} // namespace
+
+std::string epoch_manager::recovery_summary::describe() const {
+  const uint64_t failures = failure_to_commit_ms.size();
+  if (ranks_lost == 0 && reforms == 0 && rejoin_ms.empty() && failures == 0 && divergences == 0)
+    return {};
+  std::string out = fmt::format("{} rank(s) lost, {} epoch(s) re-formed with every process "
+                                "alive, {} epochs",
+                                ranks_lost, reforms, epochs);
+  if (divergences > 0)
+    out += fmt::format("; {} replica divergence(s)", divergences);
+  if (failures > 0) {
+    auto [p50, max] = median_and_max(failure_to_commit_ms);
+    out += fmt::format("; failure found to the next commit p50 {} ms, max {} ms ({})", p50, max,
+                       failures);
+  }
+  if (!rejoin_ms.empty()) {
+    auto [p50, max] = median_and_max(rejoin_ms);
+    out += fmt::format("; {} catch-up session(s); registered to rejoined p50 {} ms, max {} ms "
+                       "({} rank(s))",
+                       catchups, p50, max, rejoin_ms.size());
+  }
+  return out;
+}
+
+epoch_manager::recovery_summary epoch_manager::summary() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->stats;
+}
+
+void epoch_manager::stop() {
+  {
+    std::lock_guard lk(impl_->mu);
+    if (impl_->stopping)
+      return;
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  impl_->coord.on_event({});
+  if (impl_->thread.joinable())
+    impl_->thread.join();
+  {
+    std::lock_guard lk(impl_->mu);
+    const auto& st = impl_->stats;
+    auto [commit_p50, commit_max] = median_and_max(st.failure_to_commit_ms);
+    auto [rejoin_p50, rejoin_max] = median_and_max(st.rejoin_ms);
+    impl_->log->emit("recovery_summary",
+                     {{"epochs", st.epochs},
+                      {"ranks_lost", st.ranks_lost},
+                      {"reforms", st.reforms},
+                      {"divergences", st.divergences},
+                      {"catchups", st.catchups},
+                      {"failures_resolved", uint64_t{st.failure_to_commit_ms.size()}},
+                      {"failure_to_commit_p50_ms", commit_p50},
+                      {"failure_to_commit_max_ms", commit_max},
+                      {"rejoined", uint64_t{st.rejoin_ms.size()}},
+                      {"rejoin_p50_ms", rejoin_p50},
+                      {"rejoin_max_ms", rejoin_max}});
+  }
+  // What it said before stopping comes before what the caller prints next.
+  impl_->log->flush(std::chrono::seconds(5));
+}
+
+std::optional<std::string> epoch_manager::failure() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->failed;
+}
+
+std::vector<uint32_t> epoch_manager::members() const {
+  std::lock_guard lk(impl_->mu);
+  return ranks_of(impl_->current.members, impl_->S());
+}
+
+uint64_t epoch_manager::epoch() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->current.id;
+}
+
+epoch_manager::view epoch_manager::snapshot() const {
+  auto& I = *impl_;
+  std::lock_guard lk(I.mu);
+  view v;
+  v.epoch = I.current.id;
+  v.max_member_step = I.max_member_step;
+  auto now = now_ms();
+  for (auto& [rank, w] : I.workers) {
+    rank_view r;
+    r.rank = rank;
+    r.incarnation = w.incarnation;
+    r.member = I.is_member(rank, w.incarnation);
+    r.live = w.connected && !w.lost_reported
+             && !recovery::heartbeat_expired(w.last_ms, now, I.o.quorum.heartbeat_timeout_ms);
+    r.state = w.st.state;
+    r.step = w.st.step;
+    v.ranks.push_back(r);
+  }
+  if (I.newest_catchup) {
+    auto [joiner, source] = *I.newest_catchup;
+    auto it = I.workers.find(joiner);
+    if (it != I.workers.end() && !I.is_member(joiner, it->second.incarnation))
+      v.catchup_source = source;
+  }
+  return v;
+}
+
+void epoch_manager::note(std::string_view event, const event_fields& fields) {
+  // With the members' step at that moment, so that an outside reader can
+  // place the event among the steps (a restart, for one).
+  auto all = fields;
+  if (std::none_of(all.begin(), all.end(), [](auto& f) { return f.first == "step"; })) {
+    std::lock_guard lk(impl_->mu);
+    all.emplace_back("step", impl_->max_member_step);
+  }
+  impl_->log->emit(event, all);
+}
+
+} // namespace cmesh::actors
