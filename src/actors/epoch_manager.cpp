@@ -1,6 +1,7 @@
 #include "actors/epoch_manager.hpp"
 
 #include "core/env.hpp"
+#include "recovery/roster.hpp"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -22,39 +23,18 @@ int64_t now_ms() {
 
 constexpr int64_t long_ago = std::numeric_limits<int64_t>::min() / 4;
 
-/// The ranks of groups `gs` (S ranks each, group g holds g*S .. g*S+S-1).
-std::vector<uint32_t> ranks_of(const std::vector<uint32_t>& gs, uint32_t S) {
-  std::vector<uint32_t> out;
-  for (auto g : gs)
-    for (uint32_t p = 0; p < S; ++p)
-      out.push_back(g * S + p);
-  return out;
-}
-
-/// The ranks of the groups of members `ms`.
-std::vector<uint32_t> ranks_of(const std::vector<recovery::member>& ms, uint32_t S) {
-  std::vector<uint32_t> gs;
-  for (auto& m : ms)
-    gs.push_back(m.group);
-  return ranks_of(gs, S);
-}
+using recovery::ranks_of_groups;
+using recovery::ranks_of_members;
 
 } // namespace
 
 struct epoch_manager::impl {
-  /// What the epoch manager knows of one rank's newest incarnation.
-  struct worker {
-    uint64_t incarnation = 0;
-    bool connected = false;
-    int64_t last_ms = long_ago;
-    bool has_status = false;
-    wire::worker_status st;
-    int64_t ready_since_ms = 0; // 0: not ready
+  /// What the epoch manager knows of one rank's newest incarnation: the
+  /// roster's report (what the decisions read), and the protocol's own.
+  struct worker : recovery::rank_report {
+    worker() { last_heartbeat_ms = long_ago; }
+    wire::worker_status st; // its latest beacon
     uint64_t assigned_session = 0;
-    bool lost_reported = false;
-    int64_t lost_ms = 0; // when it was found dead
-    std::string lost_why; // and how ("disconnected", "silent for more than ...")
-    int64_t broken_since_ms = 0; // when it reported st.broken_epoch broken
     int64_t registered_ms = 0;
   };
 
@@ -71,7 +51,7 @@ struct epoch_manager::impl {
   /// The ranks of the current epoch and their incarnations. A group's
   /// incarnation is the newest of its ranks': a restarted rank makes its
   /// whole group a new member.
-  std::map<uint32_t, uint64_t> member_ranks;
+  recovery::member_ranks member_ranks;
   recovery::quorum_decision last;
   int64_t waiting_since_ms = 0; // a broken epoch waiting for a quorum, since
   int64_t adopt_seen_ms = 0;    // a restarted coordinator first heard of a running epoch
@@ -117,8 +97,22 @@ struct epoch_manager::impl {
   void set_current(recovery::epoch e) {
     current = std::move(e);
     member_ranks.clear();
-    for (auto r : ranks_of(current.members, S()))
+    for (auto r : ranks_of_members(current.members, S()))
       member_ranks[r] = workers[r].incarnation;
+  }
+
+  /// The roster the decisions read.
+  recovery::roster roster() const {
+    recovery::roster r;
+    for (auto& [rank, w] : workers)
+      r.emplace(rank, static_cast<const recovery::rank_report&>(w));
+    return r;
+  }
+
+  recovery::group_options group_options() const {
+    return {.ranks_per_group = S(),
+            .heartbeat_timeout_ms = o.quorum.heartbeat_timeout_ms,
+            .admit_ready = !(o.target_step != 0 && max_member_step >= o.target_step)};
   }
 
   void on_event(const worker_event& ev);
@@ -128,6 +122,8 @@ struct epoch_manager::impl {
   void decide(int64_t now);
   bool adopt(int64_t now);
   void assign_catch_ups(int64_t now);
+  void credit_stall(int64_t now);
+  void apply(recovery::quorum_decision d, int64_t now);
   void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
 
   /// The notice of the current epoch: its ranks and their incarnations.
@@ -172,9 +168,9 @@ struct epoch_manager::impl {
 };
 
 void epoch_manager::impl::lost(uint32_t rank, worker& w, const std::string& why, int64_t now) {
-  if (w.lost_reported)
+  if (w.lost)
     return;
-  w.lost_reported = true;
+  w.lost = true;
   w.lost_ms = now;
   w.lost_why = why;
   bool member = is_member(rank, w.incarnation);
@@ -202,15 +198,15 @@ void epoch_manager::impl::on_event(const worker_event& ev) {
       w = worker{};
       w.incarnation = ev.incarnation;
       w.connected = true;
-      w.last_ms = now;
+      w.last_heartbeat_ms = now;
       w.registered_ms = now;
       log->emit("registered", {{"rank", uint64_t{ev.rank}}, {"incarnation", ev.incarnation}});
       break;
     case worker_event::type::status:
       if (ev.status.incarnation != w.incarnation)
         return; // a stale process that outlived its replacement
-      w.last_ms = now;
-      if (w.lost_reported)
+      w.last_heartbeat_ms = now;
+      if (w.lost)
         return; // silent too long: it stays out (it is fenced when it learns)
       if (ev.status.state == wire::worker_status::ready && w.ready_since_ms == 0
           && !is_member(ev.rank, w.incarnation)) {
@@ -276,6 +272,10 @@ void epoch_manager::impl::on_event(const worker_event& ev) {
       }
       w.has_status = true;
       w.st = ev.status;
+      w.step = ev.status.step;
+      w.fresh = ev.status.state == wire::worker_status::fresh;
+      w.broken_epoch = ev.status.broken_epoch;
+      w.broken_reason = ev.status.broken_reason;
       if (current.id == 0 && adopt_seen_ms == 0 && ev.status.epoch > 0)
         adopt_seen_ms = now;
       if (is_member(ev.rank, w.incarnation))
@@ -308,7 +308,7 @@ void epoch_manager::impl::on_divergence(uint32_t rank, const wire::replica_diver
   divergence_epoch_seen = d.epoch;
   divergence_step_seen = d.step;
   ++stats.divergences;
-  const auto ranks = ranks_of(d.minority, S());
+  const auto ranks = ranks_of_groups(d.minority, S());
   log->emit("replica_divergence", {{"epoch", d.epoch},
                                    {"step", d.step},
                                    {"reporter", uint64_t{rank}},
@@ -382,7 +382,7 @@ bool epoch_manager::impl::adopt(int64_t now) {
       adopted.members.push_back({g, v.second});
   set_current(adopted);
   say(fmt::format("adopted epoch {} {} from the workers", e, recovery::to_string(current.members)));
-  log->emit("adopted", {{"epoch", e}, {"members", ranks_of(current.members, S())}});
+  log->emit("adopted", {{"epoch", e}, {"members", ranks_of_members(current.members, S())}});
   // The members of the running epoch that died while the coordinator was
   // away are unknown: a new epoch of those heard from drops them (the
   // others' running step is aborted and retried), and costs the healthy
@@ -399,129 +399,19 @@ void epoch_manager::impl::decide(int64_t now) {
     return; // the job is over: the workers leaving now form nothing
   if (!adopt(now))
     return;
+  credit_stall(now);
+  for (auto rank : recovery::silent_members(roster(), member_ranks, now,
+                                            o.quorum.heartbeat_timeout_ms))
+    lost(rank, workers[rank],
+         fmt::format("silent for more than {} ms", o.quorum.heartbeat_timeout_ms), now);
+  auto groups = recovery::group_participants(roster(), current, member_ranks, now,
+                                             group_options());
   recovery::quorum_state qs;
   qs.current = current;
   qs.expected_groups = o.groups;
   qs.reforms_in_a_row = reforms_in_a_row;
-  // Every connected member silent at once: more likely this process was
-  // held up (a write to its log or event file throttled by the kernel
-  // while a thread held this lock, its beacons unread) than all of them
-  // hanging together. They are credited, for up to 10 heartbeat timeouts,
-  // until their queued beacons are read, and when the first is heard each
-  // gets one more timeout; a closed connection counts at once.
-  {
-    std::vector<worker*> connected;
-    std::vector<int64_t> beacons;
-    for (auto& [rank, inc] : member_ranks) {
-      auto& w = workers[rank];
-      if (w.incarnation == inc && w.connected && !w.lost_reported) {
-        connected.push_back(&w);
-        beacons.push_back(w.last_ms);
-      }
-    }
-    const int64_t timeout = o.quorum.heartbeat_timeout_ms;
-    auto credit = recovery::credit_when_all_silent(beacons, now, timeout, all_silent_since_ms,
-                                                   10 * timeout);
-    if (credit) {
-      if (all_silent_since_ms == 0) {
-        all_silent_since_ms = now;
-        say(fmt::format("every member has been silent for more than {} ms at once: waiting for "
-                        "their beacons before taking any for dead",
-                        timeout));
-        log->emit("all_silent", {{"epoch", current.id}});
-      }
-      for (auto* w : connected)
-        w->last_ms = std::max(w->last_ms, *credit);
-    } else if (std::any_of(beacons.begin(), beacons.end(), [&](int64_t t) {
-                 return !recovery::heartbeat_expired(t, now, timeout);
-               })) {
-      // Someone is heard again: the stall is over. The others' beacons
-      // may still wait unread behind that one's (the I/O thread reads one
-      // connection at a time), so each gets a full timeout from now.
-      if (all_silent_since_ms != 0)
-        for (auto* w : connected)
-          w->last_ms = std::max(w->last_ms, now);
-      all_silent_since_ms = 0;
-    }
-  }
-  // Deaths of member ranks.
-  for (auto& [rank, inc] : member_ranks) {
-    auto& w = workers[rank];
-    if (w.incarnation == inc && w.connected && !w.lost_reported
-        && recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
-      lost(rank, w, fmt::format("silent for more than {} ms", o.quorum.heartbeat_timeout_ms), now);
-  }
-  // One participant per replica group, from its S ranks.
-  std::map<uint32_t, bool> groups; // group -> a member of the current epoch
-  for (auto& [rank, w] : workers)
-    if (w.incarnation != 0)
-      groups[rank / S()] = false;
-  for (auto& m : current.members)
-    groups[m.group] = true;
-  const bool over = o.target_step != 0 && max_member_step >= o.target_step;
-  for (auto& [g, member] : groups) {
-    bool same = member, complete = true, all_joining = true, all_heard = true;
-    int64_t hb = std::numeric_limits<int64_t>::max(), joined = 0;
-    uint64_t inc = 0;
-    for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
-      auto it = workers.find(r);
-      if (it == workers.end() || it->second.incarnation == 0) {
-        complete = same = false; // a group without all its ranks is no survivor
-        break;
-      }
-      auto& w = it->second;
-      bool silent = recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms);
-      // The dead count as silent from the moment they were found dead.
-      hb = std::min(hb, (w.connected && !w.lost_reported)
-                          ? w.last_ms
-                          : std::min(w.last_ms, w.lost_ms - o.quorum.heartbeat_timeout_ms - 1));
-      inc = std::max(inc, w.incarnation);
-      same = same && is_member(r, w.incarnation);
-      bool joining = w.has_status && !w.lost_reported
-                     && ((w.ready_since_ms != 0 && !over)
-                         || (current.id == 0 && w.st.state == wire::worker_status::fresh
-                             && w.st.step == 0));
-      all_joining = all_joining && joining;
-      joined = std::max(joined, w.ready_since_ms != 0 ? w.ready_since_ms : w.last_ms);
-      all_heard = all_heard && w.has_status && !w.lost_reported && w.connected && !silent;
-    }
-    if (same) {
-      auto m = std::find_if(current.members.begin(), current.members.end(),
-                            [&](auto& x) { return x.group == g; });
-      recovery::participant p;
-      p.who = *m;
-      p.last_heartbeat_ms = hb;
-      // The earliest of its ranks' reports that the current epoch broke,
-      // and how its dead ranks were found dead.
-      for (uint32_t r = g * S(); r < (g + 1) * S(); ++r) {
-        auto& w = workers[r];
-        if (w.lost_reported)
-          p.lost_reason += (p.lost_reason.empty() ? "" : "; ")
-                           + fmt::format("rank {} {} at t={} ms", r, w.lost_why, w.lost_ms);
-        if (w.st.broken_epoch != current.id || w.broken_since_ms == 0)
-          continue;
-        if (p.broken_since_ms == 0 || w.broken_since_ms < p.broken_since_ms)
-          p.broken_since_ms = w.broken_since_ms;
-        p.broken_reason += (p.broken_reason.empty() ? "" : "; ")
-                           + fmt::format("rank {}: {}", r, w.st.broken_reason);
-      }
-      qs.participants.push_back(std::move(p));
-      continue;
-    }
-    // Not a member (or a member superseded by a restarted rank, which then
-    // counts as lost): a joiner once every rank of it is ready.
-    if (!complete)
-      continue;
-    if (all_joining) {
-      recovery::participant p;
-      p.who = {g, inc};
-      p.last_heartbeat_ms = hb;
-      p.joined_ms = joined;
-      qs.participants.push_back(std::move(p));
-    }
-    else if (all_heard)
-      ++qs.heard_not_ready; // catching up: heard from, not eligible yet
-  }
+  qs.participants = std::move(groups.participants);
+  qs.heard_not_ready = groups.heard_not_ready;
   auto d = recovery::compute_quorum(qs, now, o.quorum);
   if (d.kind == recovery::decision_kind::wait && current.id != 0) {
     if (waiting_since_ms == 0)
@@ -534,6 +424,12 @@ void epoch_manager::impl::decide(int64_t now) {
   } else {
     waiting_since_ms = 0;
   }
+  apply(std::move(d), now);
+}
+
+/// Acts on the quorum's decision: logs a new reason to wait, fails the job,
+/// or announces the new epoch.
+void epoch_manager::impl::apply(recovery::quorum_decision d, int64_t now) {
   bool changed_reason = recovery::reason_changed(last, d);
   switch (d.kind) {
     case recovery::decision_kind::keep:
@@ -557,9 +453,9 @@ void epoch_manager::impl::decide(int64_t now) {
       }
       kept_everyone_of = d.left.empty() ? current.id - 1 : 0;
       aborts_previous = d.abort_running;
-      announce_epoch(now, base, d.reason, ranks_of(d.joined, S()), ranks_of(d.left, S()),
+      announce_epoch(now, base, d.reason, ranks_of_members(d.joined, S()), ranks_of_members(d.left, S()),
                      d.abort_running);
-      for (auto r : ranks_of(d.joined, S()))
+      for (auto r : ranks_of_members(d.joined, S()))
         if (workers[r].ready_since_ms != 0) {
           stats.rejoin_ms.push_back(now - workers[r].registered_ms);
           log->emit("catchup_end", {{"rank", uint64_t{r}},
@@ -574,40 +470,61 @@ void epoch_manager::impl::decide(int64_t now) {
   last = std::move(d);
 }
 
+/// Every connected member silent at once: more likely this process was held
+/// up (a write to its log or event file throttled by the kernel while a
+/// thread held this lock, its beacons unread) than all of them hanging
+/// together (recovery::stall_credit).
+void epoch_manager::impl::credit_stall(int64_t now) {
+  const int64_t timeout = o.quorum.heartbeat_timeout_ms;
+  auto v = recovery::stall_credit(roster(), member_ranks, now, timeout, all_silent_since_ms,
+                                  10 * timeout);
+  all_silent_since_ms = v.all_silent_since_ms;
+  if (v.began) {
+    say(fmt::format("every member has been silent for more than {} ms at once: waiting for "
+                    "their beacons before taking any for dead",
+                    timeout));
+    log->emit("all_silent", {{"epoch", current.id}});
+  }
+  if (!v.credit)
+    return;
+  auto r = roster();
+  for (auto& [rank, inc] : member_ranks)
+    if (recovery::attached_member(r, member_ranks, rank))
+      workers[rank].last_heartbeat_ms = std::max(workers[rank].last_heartbeat_ms, *v.credit);
+}
+
+/// Sources for the ranks that need state (recovery::catch_up_sources): each
+/// pair is told its session.
 void epoch_manager::impl::assign_catch_ups(int64_t now) {
   if (current.id == 0 || failed)
     return;
-  // A joiner at position p of its group catches up from a member at p
-  // (it holds the same shard).
-  std::vector<std::vector<uint32_t>> healthy(S());
-  for (auto& [rank, inc] : member_ranks) {
-    auto& w = workers[rank];
-    if (w.connected && !w.lost_reported && w.incarnation == inc
-        && !recovery::heartbeat_expired(w.last_ms, now, o.quorum.heartbeat_timeout_ms))
-      healthy[rank % S()].push_back(rank);
-  }
+  std::vector<uint32_t> joiners;
   for (auto& [rank, w] : workers) {
-    if (!w.connected || w.lost_reported || !w.has_status || is_member(rank, w.incarnation))
+    if (!w.connected || w.lost || !w.has_status || is_member(rank, w.incarnation))
       continue;
     // Fresh, and it has seen (and failed) our latest assignment, or had none.
     if (w.st.state != wire::worker_status::fresh || w.st.session < w.assigned_session)
       continue;
-    const auto& sources = healthy[rank % S()];
-    if (sources.empty())
-      continue;
+    joiners.push_back(rank);
+  }
+  if (joiners.empty())
+    return;
+  for (auto [joiner, source] : recovery::catch_up_sources(roster(), member_ranks, joiners, now,
+                                                          group_options(), next_session + 1)) {
+    auto& w = workers[joiner];
     wire::catchup_assign a;
     a.session = ++next_session;
-    a.joiner = rank;
+    a.joiner = joiner;
     a.joiner_incarnation = w.incarnation;
-    a.source = sources[a.session % sources.size()];
+    a.source = source;
     w.assigned_session = a.session;
     ++stats.catchups;
     coord.send_control(a.joiner, a);
     coord.send_control(a.source, a);
-    newest_catchup = std::pair{rank, a.source};
-    say(fmt::format("rank {} catches up from rank {} (session {})", rank, a.source, a.session));
-    log->emit("catchup_start", {{"rank", uint64_t{rank}},
-                                {"source", uint64_t{a.source}},
+    newest_catchup = std::pair{joiner, source};
+    say(fmt::format("rank {} catches up from rank {} (session {})", joiner, source, a.session));
+    log->emit("catchup_start", {{"rank", uint64_t{joiner}},
+                                {"source", uint64_t{source}},
                                 {"session", a.session},
                                 {"step", max_member_step}});
   }
@@ -723,7 +640,7 @@ std::optional<std::string> epoch_manager::failure() const {
 
 std::vector<uint32_t> epoch_manager::members() const {
   std::lock_guard lk(impl_->mu);
-  return ranks_of(impl_->current.members, impl_->S());
+  return ranks_of_members(impl_->current.members, impl_->S());
 }
 
 uint64_t epoch_manager::epoch() const {
@@ -743,8 +660,8 @@ epoch_manager::view epoch_manager::snapshot() const {
     r.rank = rank;
     r.incarnation = w.incarnation;
     r.member = I.is_member(rank, w.incarnation);
-    r.live = w.connected && !w.lost_reported
-             && !recovery::heartbeat_expired(w.last_ms, now, I.o.quorum.heartbeat_timeout_ms);
+    r.live = w.connected && !w.lost
+             && !recovery::heartbeat_expired(w.last_heartbeat_ms, now, I.o.quorum.heartbeat_timeout_ms);
     r.state = w.st.state;
     r.step = w.st.step;
     v.ranks.push_back(r);

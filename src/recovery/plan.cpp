@@ -1,24 +1,12 @@
 #include "recovery/plan.hpp"
 
-#include "core/check.hpp"
-
 #include <algorithm>
 
 namespace cmesh::recovery {
 
-std::string_view to_string(catch_up_kind k) {
-  switch (k) {
-    case catch_up_kind::replay:
-      return "replay";
-    case catch_up_kind::fresh_snapshot:
-      return "fresh_snapshot";
-  }
-  return "unknown";
-}
-
 expected<recovery_plan> plan_recovery(std::span<const group_id> healthy_in,
                                       std::span<const joiner_shards> joiners_in,
-                                      uint32_t shard_count) {
+                                      uint32_t shard_count, uint64_t rotation) {
   if (shard_count == 0)
     return make_error(errc::invalid_argument, "shard_count must be > 0");
   std::vector<group_id> healthy(healthy_in.begin(), healthy_in.end());
@@ -53,7 +41,7 @@ expected<recovery_plan> plan_recovery(std::span<const group_id> healthy_in,
   }
 
   recovery_plan plan;
-  size_t next = 0;
+  uint64_t next = rotation;
   for (const auto& j : joiners)
     for (auto s : j.shards)
       plan.sources.push_back({j.group, s, healthy[next++ % healthy.size()]});
@@ -70,33 +58,8 @@ expected<recovery_plan> plan_recovery(std::span<const group_id> healthy_in,
 }
 
 expected<recovery_plan> plan_recovery(std::span<const group_id> healthy, const joiner_shards& joiner,
-                                      uint32_t shard_count) {
-  return plan_recovery(healthy, std::span<const joiner_shards>(&joiner, 1), shard_count);
-}
-
-catch_up_decision decide_catch_up(int64_t joiner_step, int64_t live_step, int64_t window_steps) {
-  CMESH_CHECK_GE(live_step, 0);
-  CMESH_CHECK_GE(window_steps, 0);
-  const std::string at = "live step " + std::to_string(live_step);
-  if (joiner_step < 0)
-    return {catch_up_kind::fresh_snapshot, live_step, 0,
-            "joiner holds no state (" + at + "): fresh snapshot"};
-  if (joiner_step > live_step)
-    return {catch_up_kind::fresh_snapshot, live_step, 0,
-            "joiner at step " + std::to_string(joiner_step) + " is ahead of the " + at +
-                ": its state is not from this history, fresh snapshot"};
-  const int64_t lag = live_step - joiner_step;
-  if (lag > window_steps)
-    return {catch_up_kind::fresh_snapshot, live_step, 0,
-            "joiner at step " + std::to_string(joiner_step) + " is " + std::to_string(lag) +
-                " steps behind the " + at + ", beyond the window of " +
-                std::to_string(window_steps) + ": fresh snapshot"};
-  if (lag == 0)
-    return {catch_up_kind::replay, joiner_step, 0,
-            "joiner already at the " + at + ": nothing to replay"};
-  return {catch_up_kind::replay, joiner_step, lag,
-          "replay steps " + std::to_string(joiner_step) + ".." + std::to_string(live_step - 1) +
-              " (" + std::to_string(lag) + " of window " + std::to_string(window_steps) + ")"};
+                                      uint32_t shard_count, uint64_t rotation) {
+  return plan_recovery(healthy, std::span<const joiner_shards>(&joiner, 1), shard_count, rotation);
 }
 
 } // namespace cmesh::recovery

@@ -1,5 +1,4 @@
-// Recovery plans: where a returning replica group copies its shards from,
-// and whether it can catch up by replay or needs a fresh snapshot.
+// Recovery plans: where a returning replica group copies its shards from.
 //
 // Pure functions of their arguments, deterministic: the same inputs give the
 // same plan on any coordinator, whatever order the inputs came in.
@@ -14,12 +13,11 @@
 // joiner's left off. In HSDP shard s of a source group lives on that
 // group's rank s, so a source rank serves one shard per joiner.
 //
-// Catch-up window (decide_catch_up). A state "at step s" has applied the
-// committed steps 0 .. s-1. A source keeps the committed reduced gradients of
-// its last `window_steps` steps, so a joiner at step j behind the live step L
-// can replay steps j .. L-1 when 0 <= L - j <= window_steps; further behind
-// (or with no state, or a state that is not from this run's history) it
-// takes a fresh snapshot from its source instead.
+// Rotation. `rotation` shifts the start: the i-th pair copies from
+// healthy[(rotation + i) % n], so a caller planning one joiner at a time
+// (the epoch manager, passing a session counter) still spreads the copies
+// and does not retry a failed session from the same source when another
+// exists.
 #pragma once
 
 #include "core/error.hpp"
@@ -61,33 +59,11 @@ struct recovery_plan {
 /// shard_count is 0, a shard is >= shard_count, a joiner appears twice or is
 /// itself listed as healthy.
 expected<recovery_plan> plan_recovery(std::span<const group_id> healthy,
-                                      std::span<const joiner_shards> joiners, uint32_t shard_count);
+                                      std::span<const joiner_shards> joiners, uint32_t shard_count,
+                                      uint64_t rotation = 0);
 
 /// One joiner.
 expected<recovery_plan> plan_recovery(std::span<const group_id> healthy, const joiner_shards& joiner,
-                                      uint32_t shard_count);
-
-enum class catch_up_kind : uint8_t {
-  replay,         // stream the committed reduced gradients of steps first_step .. first_step+steps-1
-  fresh_snapshot, // copy a new snapshot from the source (taken at its next step boundary)
-};
-
-std::string_view to_string(catch_up_kind k);
-
-struct catch_up_decision {
-  catch_up_kind kind = catch_up_kind::replay;
-  /// replay: the first step to replay (= joiner_step); fresh_snapshot: the
-  /// live step it was decided at.
-  int64_t first_step = 0;
-  /// replay: how many steps to replay (0 when already at the live step).
-  int64_t steps = 0;
-  std::string reason;
-};
-
-/// Replay or fresh snapshot for a joiner at `joiner_step` (negative: it holds
-/// no state) while the live groups are at `live_step`, with the last
-/// `window_steps` steps' gradients kept. live_step and window_steps must be
-/// >= 0 (checked).
-catch_up_decision decide_catch_up(int64_t joiner_step, int64_t live_step, int64_t window_steps);
+                                      uint32_t shard_count, uint64_t rotation = 0);
 
 } // namespace cmesh::recovery

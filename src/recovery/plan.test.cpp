@@ -56,29 +56,20 @@ TEST_CASE("plan: bad inputs are errors") {
   CHECK(code_of(plan_recovery(healthy, twice, 4).error()) == errc::invalid_argument);
 }
 
-TEST_CASE("catch-up: replay within the window, else a fresh snapshot") {
-  auto r = decide_catch_up(90, 100, 16);
-  CHECK(r.kind == catch_up_kind::replay);
-  CHECK(r.first_step == 90);
-  CHECK(r.steps == 10);
-  CHECK(r.reason == "replay steps 90..99 (10 of window 16)");
-
-  auto edge = decide_catch_up(84, 100, 16);
-  CHECK(edge.kind == catch_up_kind::replay);
-  CHECK(edge.steps == 16);
-
-  auto far = decide_catch_up(83, 100, 16);
-  CHECK(far.kind == catch_up_kind::fresh_snapshot);
-  CHECK(far.first_step == 100);
-  CHECK(far.steps == 0);
-  CHECK(far.reason == "joiner at step 83 is 17 steps behind the live step 100, beyond the window of "
-                      "16: fresh snapshot");
-
-  auto same = decide_catch_up(100, 100, 0);
-  CHECK(same.kind == catch_up_kind::replay);
-  CHECK(same.steps == 0);
-
-  CHECK(decide_catch_up(-1, 100, 16).kind == catch_up_kind::fresh_snapshot);
-  CHECK(decide_catch_up(101, 100, 16).kind == catch_up_kind::fresh_snapshot);
-  CHECK(decide_catch_up(99, 100, 0).kind == catch_up_kind::fresh_snapshot);
+TEST_CASE("plan: a rotation shifts the start, so one joiner at a time still rotates") {
+  std::vector<group_id> healthy{0, 1, 2};
+  joiner_shards j{3, {1}};
+  std::vector<group_id> got;
+  for (uint64_t rot = 0; rot < 4; ++rot) {
+    auto p = plan_recovery(healthy, j, 2, rot);
+    REQUIRE(p);
+    REQUIRE(p->sources.size() == 1);
+    got.push_back(p->sources[0].source);
+  }
+  CHECK(got == std::vector<group_id>{0, 1, 2, 0});
+  // Several pairs continue from the shifted start.
+  std::vector<joiner_shards> two{{3, {0, 1}}, {4, {0}}};
+  auto p = plan_recovery(healthy, two, 2, 2);
+  REQUIRE(p);
+  CHECK(p->sources == std::vector<shard_source>{{3, 0, 2}, {3, 1, 0}, {4, 0, 1}});
 }
