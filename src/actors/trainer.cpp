@@ -558,23 +558,84 @@ caf::error trainer::impl::commit_vote(coll::communicator& comm, uint64_t step,
   return vote_error;
 }
 
-expected<train_result> trainer::run() {
-  auto& I = *impl_;
-  const auto& tc = I.o.config.train;
-  auto& net = *model_;
-  const size_t micro_total = model::micro_batches_per_step(tc);
-  const size_t S = I.per_group();
-  auto params = net.parameters();
-  auto grads = net.gradients();
-  auto my_params = I.shard_of(params); // the model's working weights of this shard
+/// One run of the step loop: what the steps share (the spans of the model
+/// and the shard, the mode, the state and the result), and the step's
+/// phases, each a function of its own. A step reads as
+///   boundary -> gather the weights -> compute and reduce the gradient (one
+///   of exact, bf16 or fp32, streamed or whole) -> mean, overflow and clip
+///   -> statistics and the commit vote -> commit (or retry in the next
+///   epoch).
+struct trainer::loop {
+  impl& I;
+  model::model& net;
+  const model::train_config& tc;
+  const size_t micro_total;
+  const size_t S;
+  std::span<float> params, grads;
+  std::span<float> my_params; // the model's working weights of this shard
+  std::span<float> master;    // the fp32 master of the shard
+  bool whole_weights = false; // not streamed, not exact: summed unit by unit or whole
+  bool unit_overlap = false;  // whole weights summed during the backward pass
+  train_result result;
+  double t_start = 0;
+  double tokens_per_step = 0;
+  train_state st;
+  apply_update replay;
+  uint64_t committed_here = 0; // steps this process computed and committed
+  uint64_t switch_to = 0;      // the newest epoch the last vote agreed on
+
+  /// The step being run.
+  struct step_ctx {
+    uint64_t step = 0;
+    coll::communicator* comm = nullptr;
+    size_t world = 0;
+    double t0 = 0;
+    caf::error latched;       // the first failed collective: the vote is no
+    std::vector<size_t> mine; // this rank's micro-batches
+    /// [loss sum, aux sum, dropped, expert loads...], summed over all ranks.
+    std::vector<float> stats = std::vector<float>(3, 0.0f);
+    std::span<float> update;  // the reduced gradient of this rank's shard
+    bool overflow = false;
+  };
+
+  loop(impl& i, model::model& m)
+      : I(i), net(m), tc(i.o.config.train), micro_total(model::micro_batches_per_step(tc)),
+        S(i.per_group()), params(m.parameters()), grads(m.gradients()),
+        my_params(i.shard_of(params)), master(my_params),
+        st{0, {}, i.adam_m, i.adam_v, i.scalars} {}
+
+  caf::error prepare();
+  caf::error enter(caf::error why);
+  void split_experts();
+  expected<train_result> run();
+  /// False when the loop ends (a stop agreed); an error ends the run.
+  expected<bool> run_step();
+  void boundary(step_ctx& s);
+  void gather_weights(step_ctx& s);
+  void bind_update(step_ctx& s);
+  void account(step_ctx& s, const model::step_stats& m);
+  void compute(step_ctx& s, float loss_scale);
+  void compute_exact(step_ctx& s);
+  void sum_whole(step_ctx& s);
+  void sum_on_device(step_ctx& s);
+  void sum_shard(step_ctx& s);
+  void reduce_gradient(step_ctx& s);
+  void finish_gradient(step_ctx& s);
+  expected<bool> commit(step_ctx& s);
+  void report(step_ctx& s, bool skipped);
+  expected<uint64_t> weights_hash();
+};
+
+/// The master, streaming, device and reducer set-up of the run's mode.
+caf::error trainer::loop::prepare() {
   // The fp32 master of the shard: the working weights themselves in fp32,
   // a copy of its own in bf16 (the working weights are its rounding) and
   // with full sharding (the working weights come and go).
-  std::span<float> master = my_params;
   if (I.bf16 || I.full) {
     I.master.assign(my_params.begin(), my_params.end());
     master = I.master;
   }
+  st.params = master;
   if (I.full) {
     // The model's flat buffers are not used from now on.
     discard_pages(params.data(), params.size());
@@ -590,7 +651,7 @@ expected<train_result> trainer::run() {
   }
   // Whole weights: summed unit by unit during the backward pass when the
   // model reports finished units, else after it.
-  const bool whole_weights = !I.full && !tc.exact;
+  whole_weights = !I.full && !tc.exact;
   // On a device: the gradient stays there and the device's collectives sum
   // it, once the backward passes are over.
   I.on_device = whole_weights && I.sup && tc.gradient_collectives == "device"
@@ -607,63 +668,457 @@ expected<train_result> trainer::run() {
     }
     I.reducer.bind(net, I.lane.get(), I.shards, I.position);
   }
-  const bool unit_overlap = whole_weights && I.lane;
-  train_result result;
-  const double t_start = mono_s();
-  const double tokens_per_step = static_cast<double>(tc.global_batch * tc.seq_len);
-  train_state st{0, master, I.adam_m, I.adam_v, I.scalars};
-  apply_update replay = [&](uint64_t k, std::span<const float> u) {
+  unit_overlap = whole_weights && I.lane;
+  replay = [this](uint64_t k, std::span<const float> u) {
     I.apply(master, k, u);
     I.remember(k, u);
   };
-  uint64_t committed_here = 0; // steps this process computed and committed
   if (I.o.load)
-    if (auto e = I.o.load(st, I.shards.offsets[I.position]))
-      return e;
+    return I.o.load(st, I.shards.offsets[I.position]);
+  return {};
+}
 
-  // Enters the next epoch (after a failure `why`, or an agreed switch) and
-  // reconciles its members; retried while the new epoch fails too.
-  auto enter = [&](caf::error why) -> caf::error {
-    for (;;) {
-      uint64_t after = I.comm ? I.comm->members().epoch : 0;
-      auto c = I.sup->enter_epoch(after, why, st, replay);
-      if (!c)
-        return c.error();
-      I.comm = *c;
-      auto e = I.split_epoch();
-      if (!e && I.on_device)
-        e = I.device_epoch();
-      if (!e)
-        e = I.reconcile(st);
-      if (!e) {
-        if (I.o.listener)
-          I.o.listener->entered_epoch(I.comm->members().ranks, S);
-        return {};
-      }
-      if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable
-          || code_of(e) == errc::invalid_argument) // e.g. layouts that disagree
-        return e;
-      spdlog::warn("trainer: epoch {} failed while reconciling: {}", I.comm->members().epoch,
-                   describe(e));
-      why = e;
+/// Enters the next epoch (after a failure `why`, or an agreed switch) and
+/// reconciles its members; retried while the new epoch fails too.
+caf::error trainer::loop::enter(caf::error why) {
+  for (;;) {
+    uint64_t after = I.comm ? I.comm->members().epoch : 0;
+    auto c = I.sup->enter_epoch(after, why, st, replay);
+    if (!c)
+      return c.error();
+    I.comm = *c;
+    auto e = I.split_epoch();
+    if (!e && I.on_device)
+      e = I.device_epoch();
+    if (!e)
+      e = I.reconcile(st);
+    if (!e) {
+      if (I.o.listener)
+        I.o.listener->entered_epoch(I.comm->members().ranks, S);
+      return {};
     }
-  };
+    if (code_of(e) == errc::fenced || code_of(e) == errc::unrecoverable
+        || code_of(e) == errc::invalid_argument) // e.g. layouts that disagree
+      return e;
+    spdlog::warn("trainer: epoch {} failed while reconciling: {}", I.comm->members().epoch,
+                 describe(e));
+    why = e;
+  }
+}
+
+/// Expert parallelism inside a group, except in exact mode: an expert's
+/// gradient summed over the rows of several micro-batches in one product
+/// is not the per-micro-batch contribution exact mode adds.
+void trainer::loop::split_experts() {
+  if (!I.group || tc.exact)
+    return;
+  I.experts.configure(tc.expert_placement == "balanced", tc.expert_replicas);
+  I.experts.reset(I.group);
+  I.experts.set_lane(I.lane.get());
+  I.expert_parallel = net.set_expert_exchange(&I.experts);
+  if (I.expert_parallel)
+    spdlog::info("trainer: experts split over the {} ranks of the replica group", S);
+}
+
+/// The step boundary: the state is at `st.step`; the supervision and the
+/// listener see it, and a chaos fault breaks this rank's communicators.
+void trainer::loop::boundary(step_ctx& s) {
+  I.maybe_flip(master, st.step, net);
+  if (I.sup)
+    I.sup->at_boundary(st);
+  if (I.o.listener)
+    I.o.listener->at_boundary(st);
+  if (faults_requested.load(std::memory_order_relaxed) == 0)
+    return;
+  faults_requested.fetch_sub(1, std::memory_order_relaxed);
+  // A chaos fault: this rank's communicators break as on a transport error;
+  // the process and its peers live on.
+  spdlog::warn("trainer: chaos fault: step {}'s collectives fail on this rank", s.step);
+  auto why = make_error(errc::transport_failure,
+                        fmt::format("injected fault at step {} (chaos fault)", s.step));
+  if (I.sup)
+    I.sup->abort_epoch(why);
+  else
+    s.comm->abort(why);
+}
+
+/// The full working weights from the group's shards (bf16: the master
+/// rounded, and gathered as bf16). Full sharding gathers unit by unit
+/// inside the model (weight_stream) instead.
+void trainer::loop::gather_weights(step_ctx& s) {
+  if (I.full)
+    return;
+  if (I.on_device) {
+    // This rank's shard goes up (bf16: the master rounded); the group's
+    // gather runs on the device, in place (in fp32).
+    if (I.bf16) {
+      std::copy(master.begin(), master.end(), my_params.begin());
+      kernels::cpu::round_to_bf16(my_params.data(), my_params.size());
+    }
+    const size_t at = I.shards.offsets[I.position];
+    net.upload_parameters(at, my_params.size());
+    if (I.dev_group) {
+      float* w = net.device_parameters();
+      I.collective(s.latched, [&] {
+        return I.dev_group->all_gather(w + at, w, I.shards.counts, coll::dtype::float32);
+      });
+    }
+  } else if (I.bf16) {
+    I.wire16.resize(params.size());
+    auto* mine16 = I.wire16.data() + I.shards.offsets[I.position];
+    kernels::cpu::float_to_bf16(master.data(), mine16, master.size());
+    if (I.group)
+      I.collective(s.latched, [&] {
+        return I.group->all_gather(mine16, I.wire16.data(), I.shards.counts,
+                                   coll::dtype::bfloat16);
+      });
+    if (!s.latched) {
+      if (I.group)
+        kernels::cpu::bf16_to_float(I.wire16.data(), params.data(), params.size());
+      else
+        kernels::cpu::bf16_to_float(mine16, my_params.data(), my_params.size());
+    }
+  } else if (I.group) {
+    I.collective(s.latched, [&] {
+      return I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
+                                 coll::dtype::float32);
+    });
+  }
+}
+
+/// Where the reduced gradient of this rank's shard ends (`s.update`), and
+/// the streams and reducer that fill it.
+void trainer::loop::bind_update(step_ctx& s) {
+  s.update = S == 1 ? grads : std::span<float>();
+  if (S > 1 && I.on_device) {
+    s.update = I.shard_of(grads); // the shard's sum is downloaded into place
+  } else if (S > 1) {
+    I.shard_grad.resize(my_params.size());
+    s.update = I.shard_grad;
+  }
+  if (I.full) {
+    std::fill(s.update.begin(), s.update.end(), 0.0f);
+    I.stream.reset(I.group, master, s.update, &I.comm_s);
+  }
+  if (!whole_weights || I.on_device)
+    return;
+  unit_reducer::step rs;
+  rs.grads = grads;
+  rs.sum = s.update;
+  rs.group = I.group ? I.group : s.comm;
+  rs.cross = I.group ? I.cross : nullptr;
+  if (I.bf16) {
+    I.wire16.resize(grads.size());
+    rs.wire16 = I.wire16.data();
+    if (I.group) {
+      I.shard16.resize(s.update.size());
+      rs.sum16 = I.shard16.data();
+    }
+  }
+  I.reducer.reset(rs);
+}
+
+void trainer::loop::account(step_ctx& s, const model::step_stats& m) {
+  auto& stats = s.stats;
+  stats[0] += static_cast<float>(m.loss);
+  stats[1] += static_cast<float>(m.aux_loss);
+  stats[2] += static_cast<float>(m.dropped);
+  if (stats.size() < 3 + m.expert_load.size())
+    stats.resize(3 + m.expert_load.size(), 0.0f);
+  for (size_t i = 0; i < m.expert_load.size(); ++i)
+    stats[3 + i] += static_cast<float>(m.expert_load[i]);
+}
+
+/// This rank's micro-batches, their gradients (of the loss times
+/// `loss_scale`) added up. With the experts split over the group, every
+/// rank runs as many micro-batches as the one with the most (the experts'
+/// exchanges are collective): empty ones make up the difference.
+void trainer::loop::compute(step_ctx& s, float loss_scale) {
+  size_t runs = s.mine.size();
+  if (I.expert_parallel || I.full) {
+    if (I.expert_parallel)
+      I.experts.reset(I.group);
+    for (size_t q = 0; q < S; ++q)
+      runs = std::max(runs, model::micro_batches_of(micro_total, s.world / S,
+                                                    s.comm->index() / S, S, q).size());
+  }
+  // Summed unit by unit: every rank reports every unit, so a rank without a
+  // micro-batch runs an empty one.
+  if (unit_overlap && !s.latched)
+    runs = std::max<size_t>(runs, 1);
+  model::batch empty;
+  empty.seq_len = tc.seq_len;
+  for (size_t k = 0; k < runs; ++k) {
+    if (I.full)
+      I.stream.begin_micro_batch(k + 1 < runs);
+    if (unit_overlap && !s.latched && k + 1 == runs)
+      I.reducer.arm();
+    if (k < s.mine.size())
+      account(s, net.forward_backward(model::make_micro_batch(*I.data, tc, s.step, s.mine[k]),
+                                      loss_scale));
+    else
+      net.forward_backward(empty, loss_scale);
+  }
+  if (I.expert_parallel)
+    if (auto e = I.experts.take_error(); e && !s.latched)
+      s.latched = e;
+  if (I.full)
+    if (auto e = I.stream.take_error(); e && !s.latched)
+      s.latched = e;
+  if (I.sup)
+    I.sup->computing(false);
+}
+
+/// Exact mode: each micro-batch's gradient is one contribution, turned into
+/// fixed point before any sum, so no float sum depends on the layout.
+void trainer::loop::compute_exact(step_ctx& s) {
+  I.contributions.resize(s.mine.size());
+  std::vector<std::span<const float>> spans;
+  for (size_t k = 0; k < s.mine.size(); ++k) {
+    net.zero_gradients();
+    account(s, net.forward_backward(model::make_micro_batch(*I.data, tc, s.step, s.mine[k])));
+    I.contributions[k].assign(grads.begin(), grads.end());
+    spans.emplace_back(I.contributions[k]);
+  }
+  if (s.mine.empty())
+    net.zero_gradients();
+  if (I.sup)
+    I.sup->computing(false);
+  I.collective(s.latched, [&] {
+    if (!I.group)
+      return coll::exact_all_reduce(*s.comm, spans, grads, micro_total);
+    return coll::exact_reduce_scatter(*s.comm, *I.group, *I.cross, spans, grads.size(),
+                                      I.shards.counts, s.update, micro_total);
+  });
+}
+
+/// On a device: the gradient summed in place there, then this rank's shard
+/// of the sum comes down into `update` (its range of `grads`).
+void trainer::loop::sum_on_device(step_ctx& s) {
+  const size_t at = I.shards.offsets[I.position], n = I.shards.counts[I.position];
+  if (!s.latched) {
+    float* g = net.device_gradients();
+    if (I.dev_group)
+      I.collective(s.latched, [&] {
+        return I.dev_group->reduce_scatter(g, g + at, I.shards.counts, coll::dtype::float32,
+                                           coll::reduce_op::sum);
+      });
+    I.collective(s.latched, [&] {
+      return I.dev_cross->all_reduce(g + at, n, coll::dtype::float32, coll::reduce_op::sum);
+    });
+  }
+  net.download_gradients(at, n);
+}
+
+/// Whole weights: the gradient summed over the groups into `update` (in
+/// fp32; S == 1: `update` is `grads`), unit by unit during the last backward
+/// pass (overlap), else now as one piece.
+void trainer::loop::sum_whole(step_ctx& s) {
+  if (I.on_device)
+    return sum_on_device(s);
+  const double t0 = mono_s();
+  if (!unit_overlap && !s.latched)
+    I.reducer.whole();
+  auto e = I.reducer.finish();
+  I.comm_s += mono_s() - t0;
+  if (!e && !s.latched && I.reducer.covered() != grads.size())
+    e = make_error(errc::invalid_argument,
+                   fmt::format("the model reported finished gradients of {} of its {} "
+                               "parameters",
+                               I.reducer.covered(), grads.size()));
+  if (e && !s.latched)
+    s.latched = e;
+}
+
+/// Full sharding: the group's sum of this rank's shard is in `update`
+/// already (fp32); summed over its holders in the other groups.
+void trainer::loop::sum_shard(step_ctx& s) {
+  I.collective(s.latched, [&] {
+    return I.cross->all_reduce(s.update.data(), s.update.size(), coll::dtype::float32,
+                               coll::reduce_op::sum);
+  });
+}
+
+/// The summed gradient of this rank's shard in `update`, by the run's mode.
+void trainer::loop::reduce_gradient(step_ctx& s) {
+  if (tc.exact)
+    return compute_exact(s);
+  // bf16: gradients of the scaled loss, summed as bf16.
+  const float scale = I.bf16 ? I.scalars[0] : 1.0f;
+  compute(s, scale);
+  if (I.full)
+    sum_shard(s);
+  else
+    sum_whole(s);
+  if (I.bf16)
+    kernels::cpu::scale_in_place(s.update.data(), 1.0f / scale, s.update.size());
+}
+
+/// The mean gradient over the global batch, clipped by its global norm. A
+/// non-finite gradient on any shard skips the step everywhere (agreed in the
+/// vote); the clipping norm is computed by everyone either way.
+void trainer::loop::finish_gradient(step_ctx& s) {
+  kernels::cpu::scale_in_place(s.update.data(), 1.0f / static_cast<float>(micro_total),
+                               s.update.size());
+  s.overflow = !s.latched && !kernels::cpu::all_finite(s.update.data(), s.update.size());
+  if (tc.grad_clip <= 0 || s.latched)
+    return;
+  auto norm = I.global_norm(s.update);
+  if (!norm)
+    s.latched = norm.error();
+  else if (!s.overflow)
+    kernels::cpu::clip_to_norm(s.update.data(), s.update.size(), *norm, tc.grad_clip);
+}
+
+/// One step, from its boundary to its commit or its retry in the next
+/// epoch. False once a stop was agreed.
+expected<bool> trainer::loop::run_step() {
+  step_ctx s;
+  s.step = st.step;
+  s.comm = I.comm;
+  boundary(s);
+  s.world = s.comm->size();
+  s.t0 = mono_s();
+  I.comm_s = 0;
+  gather_weights(s);
+  const uint32_t rank = s.comm->members().ranks[s.comm->index()];
+  s.mine = model::micro_batches_of(micro_total, s.world / S, s.comm->index() / S, S, rank % S);
+  if (s.latched)
+    s.mine.clear(); // no weights to compute with: the vote will be no
+  if (I.sup)
+    I.sup->computing(true);
+  maybe_hang();
+  net.zero_gradients();
+  bind_update(s);
+  reduce_gradient(s);
+  finish_gradient(s);
+  // Every rank must have the same length of statistics for the reduction.
+  s.stats.resize(3 + net.moe_layers() * net.experts(), 0.0f);
+  I.collective(s.latched, [&] {
+    return s.comm->all_reduce(s.stats.data(), s.stats.size(), coll::dtype::float32,
+                              coll::reduce_op::sum);
+  });
+  auto vote_error = I.commit_vote(*s.comm, s.step, s.latched, s.overflow, master, net,
+                                  result.verify_ms);
+  if (!s.latched && !vote_error && I.vote[0] == 0)
+    return commit(s);
+  auto why = s.latched    ? s.latched
+             : vote_error ? vote_error
+                          : make_error(errc::aborted,
+                                       "step " + std::to_string(s.step) + " was voted down");
+  if (!I.sup)
+    return why;
+  if (!s.latched && vote_error) { // it may have passed elsewhere
+    I.pending.emplace(s.step, std::vector<float>(s.update.begin(), s.update.end()));
+    if (s.overflow)
+      std::fill(I.pending->second.begin(), I.pending->second.end(), std::nanf(""));
+  }
+  spdlog::warn("trainer: step {} failed in epoch {}: {}; retrying it in the next epoch", s.step,
+               s.comm->members().epoch, describe(why));
+  if (auto e = enter(why))
+    return e;
+  return true;
+}
+
+/// Committed: the update of this rank's shard (or a skip, everywhere) is
+/// applied, remembered, streamed, and reported. False when a stop was
+/// agreed with it.
+expected<bool> trainer::loop::commit(step_ctx& s) {
+  const auto& vote = I.vote;
+  const bool skipped = vote[2] != 0;
+  if (skipped) {
+    std::fill(s.update.begin(), s.update.end(), std::nanf(""));
+    spdlog::info("trainer: step {} skipped: a gradient overflowed (loss scale {})", s.step,
+                 I.scalars[0]);
+  }
+  I.apply(master, s.step, s.update);
+  if (I.sup) {
+    I.remember(s.step, s.update);
+    I.sup->committed(s.step, s.update);
+    switch_to = static_cast<uint64_t>(vote[1]);
+  }
+  ++st.step;
+  ++committed_here;
+  const bool stop = vote[4] != 0; // every member stops after this step, and checkpoints it
+  if (I.o.listener) {
+    if (vote[3] != 0 || stop)
+      I.o.listener->checkpoint_agreed(s.step);
+    I.o.listener->committed(s.step, s.update, st);
+  }
+  report(s, skipped);
+  if (stop) {
+    spdlog::info("trainer: stopped at step {}: a member was asked to stop", st.step);
+    result.stopped = true;
+  }
+  return !stop;
+}
+
+void trainer::loop::report(step_ctx& s, bool skipped) {
+  const double dt = mono_s() - s.t0;
+  step_report rep;
+  rep.step = st.step;
+  rep.loss = s.stats[0] / static_cast<double>(micro_total);
+  rep.aux_loss = s.stats[1] / static_cast<double>(micro_total);
+  rep.dropped = static_cast<uint64_t>(s.stats[2]);
+  rep.step_ms = dt * 1e3;
+  rep.comm_ms = I.comm_s * 1e3;
+  rep.tokens_per_s = tokens_per_step / dt;
+  rep.skipped = skipped;
+  rep.epoch = s.comm->members().epoch;
+  rep.first_member = s.comm->index() == 0;
+  rep.expert_imbalance =
+    imbalance(std::vector<float>(s.stats.begin() + 3, s.stats.end()), net.experts());
+  if (I.expert_parallel)
+    rep.host_imbalance = I.experts.take_host_imbalance();
+  result.final_loss = rep.loss;
+  if (I.o.on_step)
+    I.o.on_step(rep);
+}
+
+/// The hash of the final fp32 weights, from the group's masters: with full
+/// sharding window by window, never the whole buffer at once.
+expected<uint64_t> trainer::loop::weights_hash() {
+  if (!I.full) {
+    if (I.bf16)
+      std::copy(master.begin(), master.end(), my_params.begin());
+    if (I.group)
+      if (auto e = I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
+                                       coll::dtype::float32))
+        return e;
+    return XXH64(params.data(), params.size() * sizeof(float), 0);
+  }
+  if (I.lane) {
+    auto [fetched, ahead] = I.stream.prefetches();
+    spdlog::info("trainer: {} of {} unit fetches were gathered ahead", ahead, fetched);
+  }
+  net.set_parameter_stream(nullptr);
+  weight_stream fp32;
+  fp32.bind(net, I.shards, I.position, false);
+  fp32.reset(I.group, master, {}, &I.comm_s);
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> h(XXH64_createState(),
+                                                               &XXH64_freeState);
+  XXH64_reset(h.get(), 0);
+  constexpr size_t window = size_t{1} << 20;
+  std::vector<float> buf;
+  for (size_t a = 0; a < params.size(); a += window) {
+    const size_t b = std::min(params.size(), a + window);
+    buf.resize(b - a);
+    if (auto e = fp32.gather(a, b, buf.data()))
+      return e;
+    XXH64_update(h.get(), buf.data(), buf.size() * sizeof(float));
+  }
+  return XXH64_digest(h.get());
+}
+
+expected<train_result> trainer::loop::run() {
+  t_start = mono_s();
+  tokens_per_step = static_cast<double>(tc.global_batch * tc.seq_len);
+  if (auto e = prepare())
+    return e;
   if (I.sup)
     if (auto e = enter({}))
       return e;
-  // Expert parallelism inside a group, except in exact mode: an expert's
-  // gradient summed over the rows of several micro-batches in one product
-  // is not the per-micro-batch contribution exact mode adds.
-  if (I.group && !tc.exact) {
-    I.experts.configure(tc.expert_placement == "balanced", tc.expert_replicas);
-    I.experts.reset(I.group);
-    I.experts.set_lane(I.lane.get());
-    I.expert_parallel = net.set_expert_exchange(&I.experts);
-    if (I.expert_parallel)
-      spdlog::info("trainer: experts split over the {} ranks of the replica group", S);
-  }
-
-  uint64_t switch_to = 0;
+  split_experts();
   while (st.step < tc.steps) {
     if (I.sup && switch_to > I.comm->members().epoch) {
       if (auto e = enter({}))
@@ -671,320 +1126,11 @@ expected<train_result> trainer::run() {
       switch_to = 0;
       continue;
     }
-    I.maybe_flip(master, st.step, net);
-    if (I.sup)
-      I.sup->at_boundary(st);
-    if (I.o.listener)
-      I.o.listener->at_boundary(st);
-    const uint64_t step = st.step;
-    auto& comm = *I.comm;
-    if (faults_requested.load(std::memory_order_relaxed) > 0) {
-      faults_requested.fetch_sub(1, std::memory_order_relaxed);
-      // A chaos fault: this rank's communicators break as on a transport
-      // error; the process and its peers live on.
-      spdlog::warn("trainer: chaos fault: step {}'s collectives fail on this rank", step);
-      auto why = make_error(errc::transport_failure,
-                            fmt::format("injected fault at step {} (chaos fault)", step));
-      if (I.sup)
-        I.sup->abort_epoch(why);
-      else
-        comm.abort(why);
-    }
-    const size_t world = comm.size();
-    const double t0 = mono_s();
-    I.comm_s = 0;
-    caf::error latched;
-    // The full working weights from the group's shards (bf16: the master
-    // rounded, and gathered as bf16).
-    if (I.full) {
-      // Gathered unit by unit inside the model (weight_stream).
-    } else if (I.on_device) {
-      // This rank's shard goes up (bf16: the master rounded); the group's
-      // gather runs on the device, in place (in fp32).
-      if (I.bf16) {
-        std::copy(master.begin(), master.end(), my_params.begin());
-        kernels::cpu::round_to_bf16(my_params.data(), my_params.size());
-      }
-      const size_t at = I.shards.offsets[I.position];
-      net.upload_parameters(at, my_params.size());
-      if (I.dev_group) {
-        float* w = net.device_parameters();
-        I.collective(latched, [&] {
-          return I.dev_group->all_gather(w + at, w, I.shards.counts, coll::dtype::float32);
-        });
-      }
-    } else if (I.bf16) {
-      I.wire16.resize(params.size());
-      auto* mine16 = I.wire16.data() + I.shards.offsets[I.position];
-      kernels::cpu::float_to_bf16(master.data(), mine16, master.size());
-      if (I.group)
-        I.collective(latched, [&] {
-          return I.group->all_gather(mine16, I.wire16.data(), I.shards.counts,
-                                     coll::dtype::bfloat16);
-        });
-      if (!latched) {
-        if (I.group)
-          kernels::cpu::bf16_to_float(I.wire16.data(), params.data(), params.size());
-        else
-          kernels::cpu::bf16_to_float(mine16, my_params.data(), my_params.size());
-      }
-    } else if (I.group) {
-      I.collective(latched, [&] {
-        return I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
-                                   coll::dtype::float32);
-      });
-    }
-    const uint32_t rank = comm.members().ranks[comm.index()];
-    auto mine = model::micro_batches_of(micro_total, world / S, comm.index() / S, S, rank % S);
-    // [loss sum, aux sum, dropped, expert loads...], summed over all ranks.
-    std::vector<float> stats(3, 0.0f);
-    auto account = [&](const model::step_stats& s) {
-      stats[0] += static_cast<float>(s.loss);
-      stats[1] += static_cast<float>(s.aux_loss);
-      stats[2] += static_cast<float>(s.dropped);
-      if (stats.size() < 3 + s.expert_load.size())
-        stats.resize(3 + s.expert_load.size(), 0.0f);
-      for (size_t i = 0; i < s.expert_load.size(); ++i)
-        stats[3 + i] += static_cast<float>(s.expert_load[i]);
-    };
-    if (latched)
-      mine.clear(); // no weights to compute with: the vote will be no
-    if (I.sup)
-      I.sup->computing(true);
-    maybe_hang();
-    net.zero_gradients();
-    // The reduced gradient of this rank's shard ends in `update`.
-    std::span<float> update = S == 1 ? std::span<float>(grads) : std::span<float>();
-    if (S > 1 && I.on_device) {
-      update = I.shard_of(grads); // the shard's sum is downloaded into place
-    } else if (S > 1) {
-      I.shard_grad.resize(my_params.size());
-      update = I.shard_grad;
-    }
-    if (I.full) {
-      std::fill(update.begin(), update.end(), 0.0f);
-      I.stream.reset(I.group, master, update, &I.comm_s);
-    }
-    if (whole_weights && !I.on_device) {
-      unit_reducer::step rs;
-      rs.grads = grads;
-      rs.sum = update;
-      rs.group = I.group ? I.group : &comm;
-      rs.cross = I.group ? I.cross : nullptr;
-      if (I.bf16) {
-        I.wire16.resize(grads.size());
-        rs.wire16 = I.wire16.data();
-        if (I.group) {
-          I.shard16.resize(update.size());
-          rs.sum16 = I.shard16.data();
-        }
-      }
-      I.reducer.reset(rs);
-    }
-    // This rank's micro-batches, their gradients (of the loss times
-    // `loss_scale`) added up. With the experts split over the group, every
-    // rank runs as many micro-batches as the one with the most (the
-    // experts' exchanges are collective): empty ones make up the difference.
-    auto compute = [&](float loss_scale) {
-      size_t runs = mine.size();
-      if (I.expert_parallel || I.full) {
-        if (I.expert_parallel)
-          I.experts.reset(I.group);
-        for (size_t q = 0; q < S; ++q)
-          runs = std::max(runs, model::micro_batches_of(micro_total, world / S,
-                                                        comm.index() / S, S, q).size());
-      }
-      // Summed unit by unit: every rank reports every unit, so a rank
-      // without a micro-batch runs an empty one.
-      if (unit_overlap && !latched)
-        runs = std::max<size_t>(runs, 1);
-      model::batch empty;
-      empty.seq_len = tc.seq_len;
-      for (size_t k = 0; k < runs; ++k) {
-        if (I.full)
-          I.stream.begin_micro_batch(k + 1 < runs);
-        if (unit_overlap && !latched && k + 1 == runs)
-          I.reducer.arm();
-        if (k < mine.size())
-          account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k]),
-                                       loss_scale));
-        else
-          net.forward_backward(empty, loss_scale);
-      }
-      if (I.expert_parallel)
-        if (auto e = I.experts.take_error(); e && !latched)
-          latched = e;
-      if (I.full)
-        if (auto e = I.stream.take_error(); e && !latched)
-          latched = e;
-      if (I.sup)
-        I.sup->computing(false);
-    };
-    // Whole weights: the gradient summed over the groups into `update` (in
-    // fp32; S == 1: `update` is `grads`), unit by unit during the last
-    // backward pass (overlap), else now as one piece.
-    auto sum_whole = [&] {
-      if (I.on_device) {
-        // In place on the device, then this rank's shard of the sum comes
-        // down into `update` (its range of `grads`).
-        const size_t at = I.shards.offsets[I.position], n = I.shards.counts[I.position];
-        if (!latched) {
-          float* g = net.device_gradients();
-          if (I.dev_group)
-            I.collective(latched, [&] {
-              return I.dev_group->reduce_scatter(g, g + at, I.shards.counts,
-                                                 coll::dtype::float32, coll::reduce_op::sum);
-            });
-          I.collective(latched, [&] {
-            return I.dev_cross->all_reduce(g + at, n, coll::dtype::float32,
-                                           coll::reduce_op::sum);
-          });
-        }
-        net.download_gradients(at, n);
-        return;
-      }
-      const double t0 = mono_s();
-      if (!unit_overlap && !latched)
-        I.reducer.whole();
-      auto e = I.reducer.finish();
-      I.comm_s += mono_s() - t0;
-      if (!e && !latched && I.reducer.covered() != grads.size())
-        e = make_error(errc::invalid_argument,
-                       fmt::format("the model reported finished gradients of {} of its {} "
-                                   "parameters",
-                                   I.reducer.covered(), grads.size()));
-      if (e && !latched)
-        latched = e;
-    };
-    // Full sharding: the group's sum of this rank's shard is in `update`
-    // already (fp32); summed over its holders in the other groups.
-    auto sum_shard = [&] {
-      I.collective(latched, [&] {
-        return I.cross->all_reduce(update.data(), update.size(), coll::dtype::float32,
-                                   coll::reduce_op::sum);
-      });
-    };
-    if (tc.exact) {
-      // Each micro-batch's gradient is one contribution, turned into fixed
-      // point before any sum, so no float sum depends on the layout.
-      I.contributions.resize(mine.size());
-      std::vector<std::span<const float>> spans;
-      for (size_t k = 0; k < mine.size(); ++k) {
-        net.zero_gradients();
-        account(net.forward_backward(model::make_micro_batch(*I.data, tc, step, mine[k])));
-        I.contributions[k].assign(grads.begin(), grads.end());
-        spans.emplace_back(I.contributions[k]);
-      }
-      if (mine.empty())
-        net.zero_gradients();
-      if (I.sup)
-        I.sup->computing(false);
-      I.collective(latched, [&] {
-        if (!I.group)
-          return coll::exact_all_reduce(comm, spans, grads, micro_total);
-        return coll::exact_reduce_scatter(comm, *I.group, *I.cross, spans, grads.size(),
-                                          I.shards.counts, update, micro_total);
-      });
-    } else if (I.bf16) {
-      // Gradients of the scaled loss, summed as bf16.
-      const float scale = I.scalars[0];
-      compute(scale);
-      if (I.full)
-        sum_shard();
-      else
-        sum_whole();
-      kernels::cpu::scale_in_place(update.data(), 1.0f / scale, update.size());
-    } else {
-      compute(1.0f);
-      if (I.full)
-        sum_shard();
-      else
-        sum_whole();
-    }
-    // The mean gradient over the global batch, clipped by its global norm.
-    kernels::cpu::scale_in_place(update.data(), 1.0f / static_cast<float>(micro_total),
-                                 update.size());
-    // A non-finite gradient on any shard skips the step everywhere (agreed
-    // in the vote). The clipping norm is computed by everyone either way.
-    const bool overflow = !latched && !kernels::cpu::all_finite(update.data(), update.size());
-    if (tc.grad_clip > 0 && !latched) {
-      auto norm = I.global_norm(update);
-      if (!norm)
-        latched = norm.error();
-      else if (!overflow)
-        kernels::cpu::clip_to_norm(update.data(), update.size(), *norm, tc.grad_clip);
-    }
-    // Every rank must have the same length of statistics for the reduction.
-    stats.resize(3 + net.moe_layers() * net.experts(), 0.0f);
-    I.collective(latched, [&] {
-      return comm.all_reduce(stats.data(), stats.size(), coll::dtype::float32,
-                             coll::reduce_op::sum);
-    });
-    auto vote_error = I.commit_vote(comm, step, latched, overflow, master, net, result.verify_ms);
-    const auto& vote = I.vote;
-    if (latched || vote_error || vote[0] != 0) {
-      auto why = latched ? latched
-                 : vote_error ? vote_error
-                              : make_error(errc::aborted, "step " + std::to_string(step)
-                                                            + " was voted down");
-      if (!I.sup)
-        return why;
-      if (!latched && vote_error) { // it may have passed elsewhere
-        I.pending.emplace(step, std::vector<float>(update.begin(), update.end()));
-        if (overflow)
-          std::fill(I.pending->second.begin(), I.pending->second.end(), std::nanf(""));
-      }
-      spdlog::warn("trainer: step {} failed in epoch {}: {}; retrying it in the next epoch",
-                   step, comm.members().epoch, describe(why));
-      if (auto e = enter(why))
-        return e;
-      continue;
-    }
-    // Committed: the update of this rank's shard (or a skip, everywhere).
-    const bool skipped = vote[2] != 0;
-    if (skipped) {
-      std::fill(update.begin(), update.end(), std::nanf(""));
-      spdlog::info("trainer: step {} skipped: a gradient overflowed (loss scale {})", step,
-                   I.scalars[0]);
-    }
-    I.apply(master, step, update);
-    if (I.sup) {
-      I.remember(step, update);
-      I.sup->committed(step, update);
-      switch_to = static_cast<uint64_t>(vote[1]);
-    }
-    ++st.step;
-    ++committed_here;
-    const bool stop = vote[4] != 0; // every member stops after this step, and checkpoints it
-    if (I.o.listener) {
-      if (vote[3] != 0 || stop)
-        I.o.listener->checkpoint_agreed(step);
-      I.o.listener->committed(step, update, st);
-    }
-    const double dt = mono_s() - t0;
-    step_report rep;
-    rep.step = st.step;
-    rep.loss = stats[0] / static_cast<double>(micro_total);
-    rep.aux_loss = stats[1] / static_cast<double>(micro_total);
-    rep.dropped = static_cast<uint64_t>(stats[2]);
-    rep.step_ms = dt * 1e3;
-    rep.comm_ms = I.comm_s * 1e3;
-    rep.tokens_per_s = tokens_per_step / dt;
-    rep.skipped = skipped;
-    rep.epoch = comm.members().epoch;
-    rep.first_member = comm.index() == 0;
-    rep.expert_imbalance =
-      imbalance(std::vector<float>(stats.begin() + 3, stats.end()), net.experts());
-    if (I.expert_parallel)
-      rep.host_imbalance = I.experts.take_host_imbalance();
-    result.final_loss = rep.loss;
-    if (I.o.on_step)
-      I.o.on_step(rep);
-    if (stop) {
-      spdlog::info("trainer: stopped at step {}: a member was asked to stop", st.step);
-      result.stopped = true;
+    auto more = run_step();
+    if (!more)
+      return more.error();
+    if (!*more)
       break;
-    }
   }
   if (I.o.listener)
     I.o.listener->at_boundary(st); // the last step's state (a listener may not have it)
@@ -993,40 +1139,16 @@ expected<train_result> trainer::run() {
   result.seconds = mono_s() - t_start;
   result.tokens_per_s =
     tokens_per_step * static_cast<double>(committed_here) / std::max(result.seconds, 1e-9);
-  // The hash of the final fp32 weights, from the group's masters.
-  if (I.full) {
-    if (I.lane) {
-      auto [fetched, ahead] = I.stream.prefetches();
-      spdlog::info("trainer: {} of {} unit fetches were gathered ahead", ahead, fetched);
-    }
-    // Window by window, never the whole buffer at once.
-    net.set_parameter_stream(nullptr);
-    weight_stream fp32;
-    fp32.bind(net, I.shards, I.position, false);
-    fp32.reset(I.group, master, {}, &I.comm_s);
-    std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> h(XXH64_createState(),
-                                                                 &XXH64_freeState);
-    XXH64_reset(h.get(), 0);
-    constexpr size_t window = size_t{1} << 20;
-    std::vector<float> buf;
-    for (size_t a = 0; a < params.size(); a += window) {
-      const size_t b = std::min(params.size(), a + window);
-      buf.resize(b - a);
-      if (auto e = fp32.gather(a, b, buf.data()))
-        return e;
-      XXH64_update(h.get(), buf.data(), buf.size() * sizeof(float));
-    }
-    result.weights_xxh64 = XXH64_digest(h.get());
-    return result;
-  }
-  if (I.bf16)
-    std::copy(master.begin(), master.end(), my_params.begin());
-  if (I.group)
-    if (auto e = I.group->all_gather(my_params.data(), params.data(), I.shards.counts,
-                                     coll::dtype::float32))
-      return e;
-  result.weights_xxh64 = XXH64(params.data(), params.size() * sizeof(float), 0);
+  auto h = weights_hash();
+  if (!h)
+    return h.error();
+  result.weights_xxh64 = *h;
   return result;
+}
+
+expected<train_result> trainer::run() {
+  loop l(*impl_, *model_);
+  return l.run();
 }
 
 } // namespace cmesh::actors

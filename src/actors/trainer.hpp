@@ -296,6 +296,7 @@ public:
 
 private:
   struct impl;
+  struct loop; // one run of the step loop
   std::unique_ptr<impl> impl_;
   std::unique_ptr<model::model> model_;
 };
