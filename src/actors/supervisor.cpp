@@ -3,6 +3,7 @@
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "core/pages.hpp"
+#include "transport/join.hpp"
 #ifdef CMESH_HAVE_NCCL
 #include "collectives/nccl/nccl_communicator.hpp"
 #endif
@@ -200,6 +201,7 @@ struct supervisor::impl {
   bool reconnect();
 
   void on_control(const control_message& m);
+  void dial(const std::vector<rank_incarnation>& wanted);
   void abort_if_left_out(); // with mu held
   void set_status(uint8_t state, std::optional<uint64_t> step = {},
                   std::optional<uint64_t> epoch = {}, std::optional<uint64_t> session = {});
@@ -367,6 +369,20 @@ void supervisor::impl::abort_if_left_out() {
                                                              join_source, newest->epoch)));
 }
 
+/// The mesh follows the membership: `wanted` dialled at the addresses of
+/// the latest peer table (mu held).
+void supervisor::impl::dial(const std::vector<rank_incarnation>& wanted) {
+  if (o.mesh == nullptr || !client_)
+    return;
+  auto table = client_->latest_table();
+  if (!table)
+    return;
+  for (auto& e : entries_to_dial(*table, wanted, o.rank))
+    if (auto err = o.mesh->connect_peer(e))
+      spdlog::warn("supervisor: cannot dial rank {} (incarnation {}): {}", e.rank, e.incarnation,
+                   describe(err));
+}
+
 void supervisor::impl::on_control(const control_message& m) {
   std::lock_guard lk(mu);
   if (auto* n = std::get_if<wire::epoch_notice>(&m)) {
@@ -382,6 +398,10 @@ void supervisor::impl::on_control(const control_message& m) {
       }
     } else if (!newest || n->epoch > newest->epoch) {
       newest = *n;
+      std::vector<rank_incarnation> members;
+      for (size_t i = 0; i < n->ranks.size() && i < n->incarnations.size(); ++i)
+        members.push_back({n->ranks[i], n->incarnations[i]});
+      dial(members);
     } else if (n->epoch == newest->epoch && n->abort_running) {
       // The newest epoch again: the one before it broke after it came.
       newest->abort_running = true;
@@ -389,6 +409,7 @@ void supervisor::impl::on_control(const control_message& m) {
     abort_if_left_out();
   } else if (auto* a = std::get_if<wire::catchup_assign>(&m)) {
     if (a->joiner == o.rank && a->joiner_incarnation == o.incarnation) {
+      dial({{a->source, 0}}); // a member: the table's entry is its running incarnation
       if (!join || a->session > join->session) {
         join = *a;
         join_source_losses = lost_count[a->source];
@@ -396,6 +417,7 @@ void supervisor::impl::on_control(const control_message& m) {
           join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
       }
     } else if (a->source == o.rank && !sessions.count(a->session)) {
+      dial({{a->joiner, a->joiner_incarnation}});
       // A new session for the same joiner replaces the old one.
       for (auto& [id, s] : sessions) {
         if (s->assign.joiner == a->joiner && !s->broken) {

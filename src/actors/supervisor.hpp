@@ -30,6 +30,7 @@
 #include "actors/trainer.hpp"
 #include "collectives/host/host_communicator.hpp"
 #include "transport/bootstrap.hpp"
+#include "transport/transport.hpp"
 
 #include <chrono>
 #include <memory>
@@ -69,6 +70,11 @@ struct supervisor_options {
   enum class device_kind { none, host, nccl };
   device_kind device_collectives = device_kind::none;
   int device = -1; // nccl: the CUDA device ordinal (-1: NCCL's default choice)
+  /// The worker's transport (the actor mesh's), or none. The supervisor
+  /// makes it follow the membership: it dials the members of each newer
+  /// epoch and its catch-up partner at the incarnations the coordinator
+  /// named, with the addresses of the latest peer table, and nobody else.
+  transport* mesh = nullptr;
 };
 
 /// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).

@@ -8,6 +8,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/device.hpp"
 #include "model/moe_lm.hpp"
+#include "transport/mesh.hpp"
 
 #include "core/env.hpp"
 #include "core/spawn.hpp"
@@ -82,17 +83,22 @@ void print_progress(const actors::step_report& r, size_t every, size_t total) {
 
 // The rank's own figures, printed after its "done" report: the matrix
 // products' rate and time (kernels::cpu::gemm_counters), the committed
-// steps' summed time and the peak resident memory. With CMESH_GEMM_SHAPES
-// set, one line per distinct product shape follows (bench/train reads them).
-void print_stats(uint32_t rank, double step_ms_total, double verify_ms) {
+// steps' summed time, the peak resident memory, and the actor mesh's peers
+// (connections made as the membership changed, incarnations lost, frames
+// of another incarnation dropped). With CMESH_GEMM_SHAPES set, one line per
+// distinct product shape follows (bench/train reads them).
+void print_stats(uint32_t rank, double step_ms_total, double verify_ms,
+                 const transport_stats& mesh) {
   const auto g = kernels::cpu::gemm_counters();
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru); // ru_maxrss in KiB
   fmt::print("cmesh: rank {} stats gemm_gflops={:.2f} gemm_ms={:.1f} gemm_calls={} "
-             "step_ms_total={:.1f} max_rss_mb={:.1f} verify_ms={:.3f}\n",
+             "step_ms_total={:.1f} max_rss_mb={:.1f} verify_ms={:.3f} mesh_connected={} "
+             "mesh_lost={} mesh_stale={}\n",
              rank, g.ns ? static_cast<double>(g.flops) / static_cast<double>(g.ns) : 0.0,
              static_cast<double>(g.ns) / 1e6, g.calls, step_ms_total,
-             static_cast<double>(ru.ru_maxrss) / 1024.0, verify_ms);
+             static_cast<double>(ru.ru_maxrss) / 1024.0, verify_ms, mesh.peers_connected,
+             mesh.peers_lost, mesh.frames_stale);
   if (env_string("CMESH_GEMM_SHAPES"))
     for (const auto& s : kernels::cpu::gemm_shape_counters())
       fmt::print("cmesh: rank {} gemm shape={}{} m={} n={} k={} calls={} ms={:.3f}\n", rank,
@@ -143,6 +149,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   ao.registration = j.registration;
   ao.step_timeout = step_timeout;
   ao.catchup_nice = catchup_nice;
+  ao.mesh = j.net.get();
   // The gradient's sum over the groups on the device (trainer.hpp): NCCL
   // on the model's GPU, or the host backend over the emulated device.
   if (config.train.device == "emulated")
@@ -190,6 +197,11 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   caf::actor_system_config sys_cfg;
   tune_actor_system(sys_cfg, 1);
   caf::actor_system sys{sys_cfg};
+  // The actor mesh: the transport's detector runs, and its peers follow the
+  // membership (the supervisor dials them). No actor publishes on it yet.
+  mesh actor_mesh(sys, *j.net);
+  if (auto e = j.net->start())
+    return report_failure_late(e);
   if (shadow.resume) {
     const auto& c = *shadow.resume->ckpt;
     opts.load = loader_of(*shadow.resume);
@@ -292,7 +304,7 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                               result->steps, result->final_loss, result->tokens_per_s,
                               result->seconds, result->weights_xxh64),
                   mono_ns()});
-  print_stats(rank, *step_ms_total, result->verify_ms);
+  print_stats(rank, *step_ms_total, result->verify_ms, j.net->stats());
   if (feed)
     print_shadow(rank, *feed, *result);
   if (remote) {

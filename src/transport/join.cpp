@@ -1,5 +1,6 @@
 #include "transport/join.hpp"
 
+#include <algorithm>
 #include <chrono>
 
 #include <spdlog/spdlog.h>
@@ -46,13 +47,6 @@ expected<joined_mesh> join_mesh(join_options opts) {
   if (!topts)
     return topts.error();
   const auto rank = static_cast<uint32_t>(opts.place->rank);
-  auto net = transport::create(rank, *topts);
-  if (!net)
-    return net.error();
-  auto client = coordinator_client::connect(*opts.coordinator,
-                                            std::chrono::milliseconds(opts.connect_timeout_ms));
-  if (!client)
-    return client.error();
   wire::register_worker me;
   me.rank = rank;
   me.world_size = static_cast<uint32_t>(opts.place->world_size);
@@ -65,6 +59,15 @@ expected<joined_mesh> join_mesh(join_options opts) {
       : static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
+  auto net = transport::create(rank, *topts, me.incarnation);
+  if (!net)
+    return net.error();
+  if (auto e = (*net)->reserve(me.world_size))
+    return e;
+  auto client = coordinator_client::connect(*opts.coordinator,
+                                            std::chrono::milliseconds(opts.connect_timeout_ms));
+  if (!client)
+    return client.error();
   me.pid = getpid();
   me.host = host_name();
   me.ucx_address = (*net)->address();
@@ -82,6 +85,24 @@ expected<joined_mesh> join_mesh(join_options opts) {
   return joined_mesh{*opts.place,         me.incarnation,     me,
                      *opts.coordinator,   std::move(*net),    std::move(*client),
                      std::move(*table)};
+}
+
+std::vector<wire::peer_entry> entries_to_dial(const wire::peer_table& table,
+                                              const std::vector<rank_incarnation>& wanted,
+                                              uint32_t self) {
+  std::vector<wire::peer_entry> out;
+  for (const auto& e : table.peers) {
+    if (e.rank == self)
+      continue;
+    for (const auto& w : wanted)
+      if (w.rank == e.rank && (w.incarnation == 0 || w.incarnation == e.incarnation)) {
+        out.push_back(e);
+        break;
+      }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const wire::peer_entry& a, const wire::peer_entry& b) { return a.rank < b.rank; });
+  return out;
 }
 
 } // namespace cmesh

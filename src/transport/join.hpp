@@ -49,4 +49,19 @@ struct joined_mesh {
 /// timeout, transport_failure.
 expected<joined_mesh> join_mesh(join_options opts);
 
+/// A rank at an incarnation (0: whichever the peer table holds).
+struct rank_incarnation {
+  uint32_t rank = 0;
+  uint64_t incarnation = 0;
+};
+
+/// The entries of `table` to dial for `wanted`: each one's entry when the
+/// table holds that incarnation (or any, for 0), never `self`'s, ascending
+/// by rank. A rank whose entry is of another incarnation (the table is
+/// older or newer than what asked for it) is left out: nobody dials the
+/// dead, and a newer table brings the newer entry.
+std::vector<wire::peer_entry> entries_to_dial(const wire::peer_table& table,
+                                              const std::vector<rank_incarnation>& wanted,
+                                              uint32_t self);
+
 } // namespace cmesh

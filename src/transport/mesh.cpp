@@ -102,22 +102,23 @@ struct mesh::core : std::enable_shared_from_this<mesh::core> {
   caf::strong_actor_ptr proxy_for(uint32_t rank, const std::string& name);
   void deliver(inbound_frame&& f);
   void peer_down(uint32_t rank, const caf::error& reason);
+  void peer_up(uint32_t rank, uint64_t incarnation);
 
   template <class T>
-  void forward(uint32_t rank, const std::string& dst, const caf::strong_actor_ptr& sender,
-               const T& msg) {
+  void forward(uint32_t rank, uint64_t incarnation, const std::string& dst,
+               const caf::strong_actor_ptr& sender, const T& msg) {
     wire::frame_header h;
     h.epoch = epoch.load(std::memory_order_relaxed);
     h.src_actor = name_of(sender);
     h.dst_actor = dst;
-    if (auto err = net.send_message(rank, std::move(h), msg)) {
+    if (auto err = net.send_message(rank, std::move(h), msg, incarnation)) {
       auto n = ++send_failures;
       if (n <= 10 || n % 1000 == 0)
         spdlog::warn("send to {}@{} failed ({} so far): {}", dst, rank, n, describe(err));
       // A peer that took nothing for the whole backpressure wait is failed:
       // fenced, so its monitors learn that this message (and any later one)
       // was not delivered, rather than seeing a silent gap in the order.
-      if (code_of(err) == errc::queue_full)
+      if (code_of(err) == errc::queue_full && net.peer_incarnation(rank) == incarnation)
         net.fence(rank, make_error(errc::queue_full,
                                    fmt::format("rank {} took no message while its send queue was "
                                                "full: {}",
@@ -134,8 +135,9 @@ namespace {
 class remote_proxy final : public caf::actor_proxy {
 public:
   remote_proxy(caf::actor_config& cfg, std::weak_ptr<mesh::core> core, uint32_t rank,
-               std::string name)
-      : caf::actor_proxy(cfg), core_(std::move(core)), rank_(rank), name_(std::move(name)) {}
+               uint64_t incarnation, std::string name)
+      : caf::actor_proxy(cfg), core_(std::move(core)), rank_(rank), incarnation_(incarnation),
+        name_(std::move(name)) {}
 
   void enqueue(caf::mailbox_element_ptr what, caf::execution_unit*) override {
     if (!what)
@@ -148,7 +150,7 @@ public:
     wire::for_each_type(wire::actor_messages{}, [&]<class T>() {
       if (!sent && content.size() == 1 && content.match_elements<T>()) {
         sent = true;
-        c->forward(rank_, name_, what->sender, content.get_as<T>(0));
+        c->forward(rank_, incarnation_, name_, what->sender, content.get_as<T>(0));
       }
     });
     if (!sent) {
@@ -171,9 +173,12 @@ public:
 
   const char* name() const override { return "cmesh.remote_proxy"; }
 
+  uint64_t incarnation() const { return incarnation_; }
+
 private:
   std::weak_ptr<mesh::core> core_;
   uint32_t rank_;
+  uint64_t incarnation_; // of the peer when the proxy was made: it never reaches another
   std::string name_;
 };
 
@@ -220,7 +225,8 @@ caf::strong_actor_ptr mesh::core::proxy_for(uint32_t rank, const std::string& na
       return i->second;
     caf::actor_config cfg;
     p = caf::make_actor<remote_proxy, caf::strong_actor_ptr>(
-      sys.next_actor_id(), sys.node(), &sys, cfg, weak_from_this(), rank, name);
+      sys.next_actor_id(), sys.node(), &sys, cfg, weak_from_this(), rank,
+      net.peer_incarnation(rank), name);
     proxies.emplace(key, p);
     if (auto i = fenced.find(rank); i != fenced.end())
       dead = i->second;
@@ -264,7 +270,9 @@ void mesh::core::peer_down(uint32_t rank, const caf::error& reason) {
   std::vector<caf::strong_actor_ptr> victims;
   {
     std::lock_guard<std::mutex> g(mtx);
-    fenced.emplace(rank, reason);
+    fenced[rank] = reason;
+    // Kept (terminated) until a newer incarnation is connected: remote()
+    // of a fenced rank keeps returning the same dead proxy.
     for (auto& [key, p] : proxies)
       if (key.first == rank)
         victims.push_back(p);
@@ -272,6 +280,29 @@ void mesh::core::peer_down(uint32_t rank, const caf::error& reason) {
   for (auto& p : victims)
     static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(p))->kill_proxy(nullptr,
                                                                                       reason);
+}
+
+void mesh::core::peer_up(uint32_t rank, uint64_t incarnation) {
+  std::vector<caf::strong_actor_ptr> stale;
+  {
+    std::lock_guard<std::mutex> g(mtx);
+    fenced.erase(rank);
+    // The older incarnations' proxies (terminated when they were fenced,
+    // or made dead while the rank was fenced) go: remote() makes new ones.
+    for (auto it = proxies.begin(); it != proxies.end();) {
+      auto* rp = static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(it->second));
+      if (it->first.first == rank && rp->incarnation() != incarnation) {
+        stale.push_back(it->second);
+        it = proxies.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& p : stale)
+    static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(p))
+      ->kill_proxy(nullptr, make_error(errc::peer_lost, "rank " + std::to_string(rank)
+                                                           + " runs a newer incarnation"));
 }
 
 mesh::mesh(caf::actor_system& sys, transport& t) : core_(std::make_shared<core>(sys, t)) {
@@ -284,6 +315,10 @@ mesh::mesh(caf::actor_system& sys, transport& t) : core_(std::make_shared<core>(
     [weak](uint32_t rank, const caf::error& reason) {
       if (auto c = weak.lock())
         c->peer_down(rank, reason);
+    },
+    [weak](uint32_t rank, uint64_t incarnation) {
+      if (auto c = weak.lock())
+        c->peer_up(rank, incarnation);
     });
 }
 

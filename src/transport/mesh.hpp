@@ -12,7 +12,13 @@
 // terminates with the transport's reason (errc::peer_lost or
 // errc::peer_unresponsive), so every local actor that monitors one of them
 // gets a down_msg carrying that reason. A proxy made for a fenced rank is
-// terminated from the start. Links to remote actors are not supported:
+// terminated from the start.
+//
+// Membership: a proxy is bound to the incarnation of its rank that was
+// connected when it was made, and never reaches another. Once the
+// transport connects a newer incarnation (transport::connect_peer),
+// remote() of that rank returns a new proxy for it; the old proxies stay
+// terminated. Links to remote actors are not supported:
 // monitor them instead. A message the transport refuses because the peer's
 // send queue stayed full for the whole backpressure wait fences that peer
 // (errc::queue_full): its monitors get a down_msg instead of a silent gap

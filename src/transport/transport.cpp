@@ -15,6 +15,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace cmesh {
@@ -27,19 +28,34 @@ constexpr uint64_t ch_frame = 1;
 constexpr uint64_t ch_ctrl = 2;
 constexpr uint64_t ch_bulk = 3;
 constexpr uint64_t ch_mask = uint64_t{0xf} << ch_shift;
+constexpr int gen_shift = 24;
 constexpr uint64_t src_bits_max = (uint64_t{1} << 20) - 1;
-constexpr uint64_t seq_mask = (uint64_t{1} << src_shift) - 1;
+constexpr uint64_t gen_bits_max = (uint64_t{1} << 16) - 1;
+constexpr uint64_t seq_mask = (uint64_t{1} << gen_shift) - 1;
 constexpr uint64_t full_mask = ~uint64_t{0};
 constexpr int64_t heartbeats_inflight_max = 16;
 constexpr int probes_per_pass_max = 256;
 constexpr int progress_calls_per_pass_max = 16;
 
-uint64_t make_tag(uint64_t channel, uint32_t src, uint64_t seq) {
-  return (channel << ch_shift) | (uint64_t{src} << src_shift) | (seq & seq_mask);
+uint64_t make_tag(uint64_t channel, uint32_t src, uint32_t gen, uint64_t seq) {
+  return (channel << ch_shift) | (uint64_t{src} << src_shift)
+         | ((uint64_t{gen} & gen_bits_max) << gen_shift) | (seq & seq_mask);
 }
 
 uint32_t tag_source(uint64_t tag) {
   return static_cast<uint32_t>((tag >> src_shift) & src_bits_max);
+}
+
+uint32_t tag_generation(uint64_t tag) {
+  return static_cast<uint32_t>((tag >> gen_shift) & gen_bits_max);
+}
+
+/// An incarnation folded to the tag's 16 bits (all of its bits count: a
+/// wall-clock incarnation differs from its predecessor's in the low ones).
+uint32_t generation_of(uint64_t incarnation) {
+  return static_cast<uint32_t>((incarnation ^ (incarnation >> 16) ^ (incarnation >> 32)
+                                ^ (incarnation >> 48))
+                               & gen_bits_max);
 }
 
 int64_t ms_to_ns(int64_t ms) {
@@ -224,6 +240,7 @@ struct command {
   uint32_t peer = 0;
   std::vector<uint8_t> frame;
   bulk payload;
+  uint64_t incarnation = 0; // the peer's it is for (0: any)
 };
 
 struct peer_state;
@@ -256,13 +273,27 @@ void send_owned(ucp_ep_h ep, uint64_t tag, send_ctx* ctx, const void* buf, size_
   settle(r, [&](ucs_status_t) { on_send_done(nullptr, UCS_OK, ctx); });
 }
 
+/// What an endpoint's error callback is told: the peer and the incarnation
+/// the endpoint was made for, so that the error of an old endpoint never
+/// fences a newer incarnation.
+struct endpoint_ref {
+  peer_state* peer = nullptr;
+  uint64_t incarnation = 0;
+};
+
 struct peer_state {
   transport::impl* owner = nullptr;
   uint32_t rank = 0;
-  bool connected = false;
+  std::atomic<bool> connected{false};
   std::atomic<bool> alive{false};
-  int64_t connected_ns = 0;
+  std::atomic<uint64_t> incarnation{0}; // the one connected (data lane writes)
+  std::atomic<uint32_t> generation{0};  // its tag generation
+  std::atomic<int64_t> connected_ns{0};
   std::atomic<int64_t> last_heard_ns{0}; // 0: never heard
+  /// One per endpoint ever made (bounded by the peer's restarts), kept
+  /// until the transport goes: UCX may call back late. Data lane's and
+  /// control lane's apart, each touched by its own thread.
+  std::vector<std::unique_ptr<endpoint_ref>> data_refs, ctrl_refs;
 
   // data lane only
   ucp_ep_h data = nullptr;
@@ -276,7 +307,12 @@ struct peer_state {
 
   // control lane only
   ucp_ep_h ctrl = nullptr;
+  uint64_t ctrl_incarnation = 0; // the incarnation `ctrl` was made for
   std::atomic<int64_t> heartbeats_inflight{0};
+  /// A control endpoint to make (address, incarnation), handed over by the
+  /// data lane when it connected a new incarnation.
+  std::mutex ctrl_mtx;
+  std::optional<std::pair<wire::bytes, uint64_t>> ctrl_pending;
 
   void heard(int64_t now) { last_heard_ns.store(now, std::memory_order_relaxed); }
 };
@@ -320,14 +356,19 @@ thread_local const void* data_lane_owner = nullptr;
 
 struct transport::impl {
   uint32_t self = 0;
+  uint64_t incarnation = 0; // this process's
+  uint32_t generation = 0;  // and its tag generation
   transport_options opts;
   lane data;
   lane ctrl;
-  std::vector<std::unique_ptr<peer_state>> peers; // fixed once started
+  std::vector<std::unique_ptr<peer_state>> peers; // the table is fixed once started; each
+                                                  // entry follows its rank's incarnations
   frame_handler on_frame;
   peer_down_handler on_down;
+  peer_up_handler on_up;
 
   std::atomic<bool> running{false};
+  std::mutex start_mtx; // connect_peer() before start() arms on its caller's thread
   std::atomic<bool> departing{false};
   std::atomic<bool> stopped{false}; // sends before start() are queued, after stop() refused
 
@@ -337,25 +378,39 @@ struct transport::impl {
   std::atomic<int64_t> pending_frames{0}; // over all peers' pending queues
   std::condition_variable space_cv;       // senders blocked on a full queue
   std::atomic<int> space_waiters{0};
-  std::vector<std::pair<uint32_t, caf::error>> deferred_failures; // guarded by queue_mtx
+  struct failure {
+    uint32_t rank = 0;
+    caf::error reason;
+    uint64_t incarnation = 0; // the one it concerns (0: whichever is connected)
+  };
+  std::vector<failure> deferred_failures; // guarded by queue_mtx
   std::atomic<int> failures_pending{0};
+  std::vector<wire::peer_entry> deferred_connects; // guarded by queue_mtx
+  std::atomic<int> connects_pending{0};
+  std::atomic<int> ctrl_connects_pending{0};
 
   uint64_t heartbeat_seq = 0;
 
   struct {
     std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bulk_sent{0}, bulk_received{0},
-      rejected{0}, refused{0}, lost{0};
+      rejected{0}, refused{0}, lost{0}, stale{0}, connected{0};
   } counters;
 
   peer_state* peer(uint32_t rank) { return rank < peers.size() ? peers[rank].get() : nullptr; }
 
-  caf::error create_endpoint(lane& l, ucp_ep_h* ep, peer_state& p, const wire::bytes& addr,
+  caf::error create_endpoint(lane& l, ucp_ep_h* ep, endpoint_ref& ref, const wire::bytes& addr,
                              ucp_err_handling_mode_t mode);
+  /// The data endpoint of `e` on the data lane (or before start), and its
+  /// control endpoint handed to the control lane; the peer is alive from
+  /// here.
+  caf::error arm(peer_state& p, const wire::peer_entry& e, bool started);
+  /// The control lane makes the control endpoints handed over to it.
+  void make_ctrl_endpoints();
 
-  void defer_failure(uint32_t rank, caf::error reason) {
+  void defer_failure(uint32_t rank, caf::error reason, uint64_t incarnation = 0) {
     {
       std::lock_guard<std::mutex> g(queue_mtx);
-      deferred_failures.emplace_back(rank, std::move(reason));
+      deferred_failures.push_back({rank, std::move(reason), incarnation});
       ++failures_pending;
     }
     data.wake_if_sleeping();
@@ -390,7 +445,8 @@ struct transport::impl {
   void post_pull(peer_state& p, recv_slot& s, const slot_ptr& owner);
   void advance_inbox(peer_state& p);
   void apply_failures();
-  void fail(uint32_t rank, const caf::error& reason);
+  void apply_connects();
+  void fail(uint32_t rank, const caf::error& reason, uint64_t incarnation = 0);
 
   // -- control lane --------------------------------------------------------------
   void run_ctrl();
@@ -431,11 +487,14 @@ transport::~transport() {
   stop();
 }
 
-expected<std::unique_ptr<transport>> transport::create(uint32_t self, transport_options opts) {
+expected<std::unique_ptr<transport>> transport::create(uint32_t self, transport_options opts,
+                                                       uint64_t incarnation) {
   if (self > src_bits_max)
     return make_error(errc::invalid_argument, "rank " + std::to_string(self) + " exceeds 2^20");
   std::unique_ptr<transport> t(new transport());
   t->impl_->self = self;
+  t->impl_->incarnation = incarnation;
+  t->impl_->generation = generation_of(incarnation);
   t->impl_->opts = opts;
   if (auto err = t->impl_->data.init("cmesh-data-" + std::to_string(self)))
     return err;
@@ -456,10 +515,30 @@ wire::bytes transport::address() const {
   return pack_addresses(impl_->data.ucx.address(), impl_->ctrl.ucx.address());
 }
 
-void transport::set_handlers(frame_handler on_frame, peer_down_handler on_down) {
+void transport::set_handlers(frame_handler on_frame, peer_down_handler on_down,
+                             peer_up_handler on_up) {
   CMESH_CHECK(!impl_->running);
   impl_->on_frame = std::move(on_frame);
   impl_->on_down = std::move(on_down);
+  impl_->on_up = std::move(on_up);
+}
+
+caf::error transport::reserve(uint32_t world_size) {
+  CMESH_CHECK(!impl_->running);
+  const uint64_t max_rank = std::max<uint64_t>(impl_->self, world_size == 0 ? 0 : world_size - 1);
+  if (max_rank > src_bits_max)
+    return make_error(errc::invalid_argument, "rank exceeds 2^20");
+  auto& peers = impl_->peers;
+  if (peers.size() < max_rank + 1)
+    peers.resize(max_rank + 1);
+  for (uint32_t r = 0; r <= max_rank; ++r) {
+    if (!peers[r]) {
+      peers[r] = std::make_unique<peer_state>();
+      peers[r]->owner = impl_.get();
+      peers[r]->rank = r;
+    }
+  }
+  return {};
 }
 
 caf::error transport::connect(const std::vector<wire::peer_entry>& entries) {
@@ -469,37 +548,50 @@ caf::error transport::connect(const std::vector<wire::peer_entry>& entries) {
     max_rank = std::max(max_rank, e.rank);
   if (max_rank > src_bits_max)
     return make_error(errc::invalid_argument, "rank exceeds 2^20");
-  auto& peers = impl_->peers;
-  peers.resize(max_rank + 1);
-  for (uint32_t r = 0; r <= max_rank; ++r) {
-    if (!peers[r]) {
-      peers[r] = std::make_unique<peer_state>();
-      peers[r]->owner = impl_.get();
-      peers[r]->rank = r;
-    }
-  }
-  auto now = mono_ns();
+  if (auto e = reserve(max_rank + 1))
+    return e;
   for (const auto& e : entries) {
     if (e.rank == impl_->self)
       continue;
-    auto addrs = unpack_addresses(e.ucx_address);
-    if (!addrs)
-      return addrs.error();
-    auto& p = *peers[e.rank];
-    if (auto err = impl_->create_endpoint(impl_->data, &p.data, p, addrs->first,
-                                          UCP_ERR_HANDLING_MODE_NONE))
+    if (auto err = impl_->arm(*impl_->peers[e.rank], e, false))
       return err;
-    if (auto err = impl_->create_endpoint(impl_->ctrl, &p.ctrl, p, addrs->second,
-                                          UCP_ERR_HANDLING_MODE_PEER))
-      return err;
-    p.connected = true;
-    p.connected_ns = now;
-    p.alive = true;
   }
   return {};
 }
 
+caf::error transport::connect_peer(const wire::peer_entry& e) {
+  auto* p = impl_->peer(e.rank);
+  if (p == nullptr)
+    return make_error(errc::invalid_argument,
+                      "rank " + std::to_string(e.rank) + " is beyond the peer table");
+  if (e.rank == impl_->self)
+    return {};
+  if (auto addrs = unpack_addresses(e.ucx_address); !addrs)
+    return addrs.error();
+  if (impl_->stopped)
+    return make_error(errc::closed, "transport is stopped");
+  {
+    std::lock_guard<std::mutex> g(impl_->start_mtx);
+    if (!impl_->running)
+      return p->connected && e.incarnation <= p->incarnation ? caf::error{}
+                                                            : impl_->arm(*p, e, false);
+  }
+  {
+    std::lock_guard<std::mutex> g(impl_->queue_mtx);
+    impl_->deferred_connects.push_back(e);
+    ++impl_->connects_pending;
+  }
+  impl_->data.wake_if_sleeping();
+  return {};
+}
+
+uint64_t transport::peer_incarnation(uint32_t peer) const {
+  auto* p = impl_->peer(peer);
+  return p != nullptr && p->connected ? p->incarnation.load() : 0;
+}
+
 caf::error transport::start() {
+  std::lock_guard<std::mutex> g(impl_->start_mtx);
   if (impl_->running.exchange(true))
     return {};
   impl_->data.thread = std::thread([this] { impl_->run_data(); });
@@ -507,18 +599,22 @@ caf::error transport::start() {
   return {};
 }
 
-caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk payload) {
+caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk payload,
+                          uint64_t incarnation) {
   auto* p = impl_->peer(peer);
   if (p == nullptr || !p->connected || peer == impl_->self)
     return make_error(errc::invalid_argument, "no endpoint to rank " + std::to_string(peer));
-  if (!p->alive) {
+  if (incarnation == 0)
+    incarnation = p->incarnation.load();
+  if (!p->alive || incarnation != p->incarnation.load()) {
     ++impl_->counters.refused;
     return make_error(errc::peer_lost, "rank " + std::to_string(peer) + " is fenced");
   }
   if (impl_->stopped)
     return make_error(errc::closed, "transport is stopped");
   if (data_lane_owner == impl_.get())
-    return impl_->send_on_lane(*p, command{peer, std::move(frame), std::move(payload)});
+    return impl_->send_on_lane(*p, command{peer, std::move(frame), std::move(payload),
+                                           incarnation});
   {
     std::unique_lock<std::mutex> g(impl_->queue_mtx);
     auto full = [&] {
@@ -550,7 +646,7 @@ caf::error transport::send(uint32_t peer, std::vector<uint8_t> frame, bulk paylo
     }
     if (impl_->stopped)
       return make_error(errc::closed, "transport is stopped");
-    impl_->queue.push_back(command{peer, std::move(frame), std::move(payload)});
+    impl_->queue.push_back(command{peer, std::move(frame), std::move(payload), incarnation});
     ++impl_->queued;
   }
   impl_->data.wake_if_sleeping();
@@ -575,7 +671,8 @@ caf::error transport::peer_error(uint32_t peer) const {
 }
 
 void transport::fence(uint32_t peer, caf::error reason) {
-  impl_->defer_failure(peer, std::move(reason));
+  auto* p = impl_->peer(peer);
+  impl_->defer_failure(peer, std::move(reason), p != nullptr ? p->incarnation.load() : 0);
 }
 
 transport_stats transport::stats() const {
@@ -588,6 +685,8 @@ transport_stats transport::stats() const {
   s.frames_rejected = c.rejected;
   s.sends_refused = c.refused;
   s.peers_lost = c.lost;
+  s.frames_stale = c.stale;
+  s.peers_connected = c.connected;
   return s;
 }
 
@@ -629,15 +728,19 @@ void transport::stop() {
 namespace {
 
 void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
-  auto* p = static_cast<peer_state*>(arg);
+  auto* ref = static_cast<endpoint_ref*>(arg);
+  auto* p = ref->peer;
   // Closing endpoints inside UCX's callback is not allowed: defer to the loop.
-  p->owner->defer_failure(p->rank, make_error(errc::peer_lost, "rank " + std::to_string(p->rank)
-                                                                 + ": " + ucs_status_string(status)));
+  p->owner->defer_failure(p->rank,
+                          make_error(errc::peer_lost,
+                                     "rank " + std::to_string(p->rank) + ": "
+                                       + ucs_status_string(status)),
+                          ref->incarnation);
 }
 
 } // namespace
 
-caf::error transport::impl::create_endpoint(lane& l, ucp_ep_h* out, peer_state& p,
+caf::error transport::impl::create_endpoint(lane& l, ucp_ep_h* out, endpoint_ref& ref,
                                             const wire::bytes& addr, ucp_err_handling_mode_t mode) {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -645,9 +748,101 @@ caf::error transport::impl::create_endpoint(lane& l, ucp_ep_h* out, peer_state& 
   ep.address = reinterpret_cast<const ucp_address_t*>(addr.data());
   ep.err_mode = mode;
   ep.err_handler.cb = on_endpoint_error;
-  ep.err_handler.arg = &p;
+  ep.err_handler.arg = &ref;
   UCS_CHECK(ucp_ep_create(l.worker(), &ep, out));
   return {};
+}
+
+caf::error transport::impl::arm(peer_state& p, const wire::peer_entry& e, bool started) {
+  auto addrs = unpack_addresses(e.ucx_address);
+  if (!addrs)
+    return addrs.error();
+  p.data_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, e.incarnation}));
+  if (auto err = create_endpoint(data, &p.data, *p.data_refs.back(), addrs->first,
+                                 UCP_ERR_HANDLING_MODE_NONE))
+    return err;
+  p.next_bulk_seq = 0;
+  p.incarnation = e.incarnation;
+  p.generation = generation_of(e.incarnation);
+  {
+    std::lock_guard<std::mutex> g(p.reason_mtx);
+    p.reason = {};
+  }
+  p.last_heard_ns = 0;
+  p.connected_ns = mono_ns();
+  if (started) {
+    // The control lane makes its endpoint; until then it sends this
+    // incarnation no heartbeat (ctrl_incarnation differs).
+    {
+      std::lock_guard<std::mutex> g(p.ctrl_mtx);
+      p.ctrl_pending = std::make_pair(addrs->second, e.incarnation);
+    }
+    ++ctrl_connects_pending;
+    ctrl.wake_if_sleeping();
+  } else {
+    p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, e.incarnation}));
+    if (auto err = create_endpoint(ctrl, &p.ctrl, *p.ctrl_refs.back(), addrs->second,
+                                   UCP_ERR_HANDLING_MODE_PEER))
+      return err;
+    p.ctrl_incarnation = e.incarnation;
+  }
+  p.connected = true;
+  p.alive = true;
+  ++counters.connected;
+  return {};
+}
+
+void transport::impl::make_ctrl_endpoints() {
+  ctrl_connects_pending = 0;
+  for (auto& p : peers) {
+    if (!p)
+      continue;
+    std::optional<std::pair<wire::bytes, uint64_t>> want;
+    {
+      std::lock_guard<std::mutex> g(p->ctrl_mtx);
+      want.swap(p->ctrl_pending);
+    }
+    if (!want)
+      continue;
+    ctrl.close_endpoint(p->ctrl);
+    p->ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{p.get(), want->second}));
+    if (auto err = create_endpoint(ctrl, &p->ctrl, *p->ctrl_refs.back(), want->first,
+                                   UCP_ERR_HANDLING_MODE_PEER)) {
+      defer_failure(p->rank, err, want->second);
+      continue;
+    }
+    p->ctrl_incarnation = want->second;
+  }
+}
+
+/// Connections asked for after start (connect_peer), on the data lane.
+void transport::impl::apply_connects() {
+  std::vector<wire::peer_entry> entries;
+  {
+    std::lock_guard<std::mutex> g(queue_mtx);
+    entries.swap(deferred_connects);
+    connects_pending = 0;
+  }
+  for (auto& e : entries) {
+    auto* p = peer(e.rank);
+    if (p == nullptr || (p->connected && e.incarnation <= p->incarnation.load()))
+      continue; // the same incarnation again, or an older one: fenced for good
+    if (p->alive)
+      fail(e.rank,
+           make_error(errc::peer_lost, "rank " + std::to_string(e.rank) + " incarnation "
+                                         + std::to_string(p->incarnation.load())
+                                         + " superseded by incarnation "
+                                         + std::to_string(e.incarnation)));
+    data.close_endpoint(p->data);
+    if (auto err = arm(*p, e, true)) {
+      spdlog::warn("rank {}: cannot connect rank {} incarnation {}: {}", self, e.rank,
+                   e.incarnation, describe(err));
+      continue;
+    }
+    spdlog::debug("rank {}: connected rank {} incarnation {}", self, e.rank, e.incarnation);
+    if (on_up)
+      on_up(e.rank, e.incarnation);
+  }
 }
 
 // -- impl: data lane -------------------------------------------------------------
@@ -672,6 +867,8 @@ void transport::impl::run_data() {
       flush_pending();
     if (failures_pending.load(std::memory_order_relaxed) > 0)
       apply_failures();
+    if (connects_pending.load(std::memory_order_relaxed) > 0)
+      apply_connects();
     auto now = mono_ns();
     if (activity) {
       idle_since = now;
@@ -687,7 +884,8 @@ void transport::impl::run_data() {
     }
     data.reap_closing();
     data.sleep(static_cast<int>(opts.heartbeat_interval_ms), [&] {
-      return queued.load() > 0 || failures_pending.load() > 0 || !running.load();
+      return queued.load() > 0 || failures_pending.load() > 0 || connects_pending.load() > 0
+             || !running.load();
     });
     idle_since = mono_ns();
   }
@@ -710,7 +908,7 @@ bool transport::impl::drain_commands() {
   }
   for (auto& c : batch) {
     auto* p = peer(c.peer);
-    if (p == nullptr || !p->alive) {
+    if (p == nullptr || !p->alive || (c.incarnation != 0 && c.incarnation != p->incarnation)) {
       --pending_frames;
       continue;
     }
@@ -775,14 +973,20 @@ void transport::impl::flush_pending() {
 
 void transport::impl::post_send(peer_state& p, command&& c) {
   const bool has_bulk = !c.payload.empty();
-  const uint64_t seq = has_bulk ? (++p.next_bulk_seq & seq_mask) : 0;
+  uint64_t seq = 0;
+  if (has_bulk) {
+    seq = ++p.next_bulk_seq & seq_mask;
+    if (seq == 0) // wrapped: 0 means no payload
+      seq = ++p.next_bulk_seq & seq_mask;
+  }
   auto* fctx = new send_ctx{&p.inflight, std::move(c.frame), {}};
-  send_owned(p.data, make_tag(ch_frame, self, seq), fctx, fctx->frame.data(), fctx->frame.size());
+  send_owned(p.data, make_tag(ch_frame, self, generation, seq), fctx, fctx->frame.data(),
+             fctx->frame.size());
   ++counters.frames_sent;
   if (has_bulk) {
     auto* bctx = new send_ctx{&p.inflight, {}, std::move(c.payload)};
     counters.bulk_sent += bctx->payload.size();
-    send_owned(p.data, make_tag(ch_bulk, self, seq), bctx, bctx->payload.data(),
+    send_owned(p.data, make_tag(ch_bulk, self, generation, seq), bctx, bctx->payload.data(),
                bctx->payload.size());
   }
 }
@@ -814,6 +1018,13 @@ void transport::impl::accept_frame(ucp_tag_message_h msg, const ucp_tag_recv_inf
   if (p == nullptr || !p->alive || from == self) {
     // A fenced or unknown sender: take the message off the queue and drop it.
     discard(data.worker(), msg, info);
+    return;
+  }
+  if (tag_generation(info.sender_tag) != p->generation) {
+    // Another incarnation of the rank: a process that outlived its
+    // replacement, or a replacement not connected yet.
+    discard(data.worker(), msg, info);
+    ++counters.stale;
     return;
   }
   p->heard(mono_ns());
@@ -865,7 +1076,8 @@ void transport::impl::post_pull(peer_state& p, recv_slot& s, const slot_ptr& own
   auto* ctx = new recv_ctx{owner, true};
   prm.user_data = ctx;
   auto r = ucp_tag_recv_nbx(data.worker(), s.payload.data(), s.payload.size(),
-                            make_tag(ch_bulk, p.rank, s.bulk_seq), full_mask, &prm);
+                            make_tag(ch_bulk, p.rank, p.generation, s.bulk_seq), full_mask,
+                            &prm);
   s.bulk_req = settle(r, [&](ucs_status_t st) { on_recv_done(nullptr, st, nullptr, ctx); });
 }
 
@@ -905,20 +1117,22 @@ void transport::impl::advance_inbox(peer_state& p) {
 }
 
 void transport::impl::apply_failures() {
-  std::vector<std::pair<uint32_t, caf::error>> failures;
+  std::vector<failure> failures;
   {
     std::lock_guard<std::mutex> g(queue_mtx);
     failures.swap(deferred_failures);
     failures_pending = 0;
   }
-  for (auto& [rank, reason] : failures)
-    fail(rank, reason);
+  for (auto& f : failures)
+    fail(f.rank, f.reason, f.incarnation);
 }
 
-void transport::impl::fail(uint32_t rank, const caf::error& reason) {
+void transport::impl::fail(uint32_t rank, const caf::error& reason, uint64_t incarnation) {
   auto* p = peer(rank);
   if (p == nullptr || !p->alive)
     return;
+  if (incarnation != 0 && incarnation != p->incarnation)
+    return; // about an incarnation that is gone already: not this one's
   {
     std::lock_guard<std::mutex> g(p->reason_mtx);
     p->reason = reason;
@@ -948,6 +1162,8 @@ void transport::impl::run_ctrl() {
   while (running.load(std::memory_order_relaxed)) {
     while (ucp_worker_progress(ctrl.worker()) != 0) {
     }
+    if (ctrl_connects_pending.load(std::memory_order_relaxed) > 0)
+      make_ctrl_endpoints();
     bool activity = poll_heartbeats();
     for (auto& p : peers)
       if (p && !p->alive && p->ctrl != nullptr)
@@ -962,7 +1178,7 @@ void transport::impl::run_ctrl() {
     if (activity)
       continue;
     ctrl.sleep(static_cast<int>((next_tick - now) / 1000000) + 1,
-               [&] { return !running.load(); });
+               [&] { return !running.load() || ctrl_connects_pending.load() > 0; });
   }
 }
 
@@ -977,8 +1193,12 @@ bool transport::impl::poll_heartbeats() {
     auto slot = std::make_shared<recv_slot>();
     slot->bytes.resize(std::min<size_t>(info.length, 4096));
     auto* p = peer(tag_source(info.sender_tag));
-    if (p != nullptr && p->alive && info.length <= 4096)
-      p->heard(mono_ns());
+    if (p != nullptr && p->alive && info.length <= 4096) {
+      if (tag_generation(info.sender_tag) == p->generation)
+        p->heard(mono_ns());
+      else
+        ++counters.stale;
+    }
     receive_into(ctrl.worker(), msg, slot);
     // Heartbeats only prove liveness; a malformed one is still counted.
     if (slot->frame_done && !slot->failed) {
@@ -997,12 +1217,13 @@ void transport::impl::post_heartbeats() {
   h.src_process = self;
   wire::heartbeat hb{++heartbeat_seq, mono_ns()};
   for (auto& p : peers) {
-    if (!p || !p->alive || p->ctrl == nullptr
+    if (!p || !p->alive || p->ctrl == nullptr || p->ctrl_incarnation != p->incarnation
         || p->heartbeats_inflight.load() >= heartbeats_inflight_max)
       continue;
     h.dst_process = p->rank;
     auto* ctx = new send_ctx{&p->heartbeats_inflight, wire::encode(h, hb), {}};
-    send_owned(p->ctrl, make_tag(ch_ctrl, self, 0), ctx, ctx->frame.data(), ctx->frame.size());
+    send_owned(p->ctrl, make_tag(ch_ctrl, self, generation, 0), ctx, ctx->frame.data(),
+               ctx->frame.size());
   }
 }
 
@@ -1010,16 +1231,20 @@ void transport::impl::check_liveness(int64_t now) {
   for (auto& p : peers) {
     if (!p || !p->alive)
       continue;
+    const uint64_t inc = p->incarnation;
     auto last = p->last_heard_ns.load(std::memory_order_relaxed);
     if (last != 0 && now - last > ms_to_ns(opts.heartbeat_timeout_ms)) {
-      defer_failure(p->rank, make_error(errc::peer_unresponsive,
-                                        "rank " + std::to_string(p->rank) + " silent for "
-                                          + std::to_string((now - last) / 1000000) + " ms"));
+      defer_failure(p->rank,
+                    make_error(errc::peer_unresponsive,
+                               "rank " + std::to_string(p->rank) + " silent for "
+                                 + std::to_string((now - last) / 1000000) + " ms"),
+                    inc);
     } else if (last == 0 && now - p->connected_ns > ms_to_ns(opts.connect_timeout_ms)) {
-      defer_failure(p->rank, make_error(errc::peer_unresponsive,
-                                        "rank " + std::to_string(p->rank)
-                                          + " never answered within "
-                                          + std::to_string(opts.connect_timeout_ms) + " ms"));
+      defer_failure(p->rank,
+                    make_error(errc::peer_unresponsive,
+                               "rank " + std::to_string(p->rank) + " never answered within "
+                                 + std::to_string(opts.connect_timeout_ms) + " ms"),
+                    inc);
     }
   }
 }

@@ -10,16 +10,28 @@
 // heartbeat, so silence really means a stopped process. The address in the
 // peer table holds both workers' addresses.
 //
-// Tags. bits 63..60 channel, 59..40 source rank, 39..0 bulk sequence. A frame
-// that carries a bulk payload has that payload's sequence in its own tag, and
-// the payload follows under (bulk channel, source, sequence); the receiver
-// pulls it (rendezvous), so a death shows up on the receiver's side.
+// Tags. bits 63..60 channel, 59..40 source rank, 39..24 the source's
+// generation (its incarnation folded to 16 bits), 23..0 bulk sequence (never
+// 0 for a payload: 0 means none). A frame that carries a bulk payload has
+// that payload's sequence in its own tag, and the payload follows under
+// (bulk channel, source, generation, sequence); the receiver pulls it
+// (rendezvous), so a death shows up on the receiver's side.
 //
 // Failure. A peer is lost when one of its endpoints fails (errc::peer_lost)
 // or when nothing was heard from it for heartbeat_timeout_ms
-// (errc::peer_unresponsive). Either way it is fenced for good: its endpoints
-// are closed, receives from it are cancelled, later frames from it are
-// dropped and sends to it fail at once. The peer-down handler runs once.
+// (errc::peer_unresponsive). Either way that incarnation of it is fenced for
+// good: its endpoints are closed, receives from it are cancelled, later
+// frames from it are dropped and sends to it fail at once. The peer-down
+// handler runs once per incarnation.
+//
+// Membership. The peers follow the job's membership: connect_peer(), at any
+// time, dials a rank's newer incarnation at its new address (fencing the
+// older one first, if it still counts as alive), and the peer-up handler
+// runs. Frames and heartbeats whose tag carries another generation than
+// the peer's current one (a stale process that outlived its replacement)
+// are dropped and counted, a payload is pulled only under its frame's
+// generation, and a send or an endpoint error meant for an older
+// incarnation never reaches or fences the newer one.
 //
 // Threads. send(), peer_alive() and stats() may be called from any thread.
 // The handlers run on the data lane's thread and must not block.
@@ -90,15 +102,21 @@ struct transport_stats {
   uint64_t frames_rejected = 0;
   uint64_t sends_refused = 0;
   uint64_t peers_lost = 0;
+  uint64_t frames_stale = 0;    // frames and heartbeats of another incarnation, dropped
+  uint64_t peers_connected = 0; // peer incarnations connected (connect(), connect_peer())
 };
 
 class transport {
 public:
   using frame_handler = std::function<void(inbound_frame&&)>;
   using peer_down_handler = std::function<void(uint32_t peer, const caf::error& reason)>;
+  using peer_up_handler = std::function<void(uint32_t peer, uint64_t incarnation)>;
 
-  /// Creates the UCP context and worker for process `self`.
-  static expected<std::unique_ptr<transport>> create(uint32_t self, transport_options opts);
+  /// Creates the UCP context and worker for process `self`, which runs as
+  /// `incarnation` (the one its peer-table entry names; 0 where nothing
+  /// restarts).
+  static expected<std::unique_ptr<transport>> create(uint32_t self, transport_options opts,
+                                                     uint64_t incarnation = 0);
 
   ~transport();
   transport(const transport&) = delete;
@@ -110,11 +128,29 @@ public:
   /// This worker's UCP address, for the peer table.
   wire::bytes address() const;
 
-  /// Sets the handlers; call before start().
-  void set_handlers(frame_handler on_frame, peer_down_handler on_down);
+  /// Sets the handlers; call before start(). `on_up` runs on the data
+  /// lane's thread when connect_peer() connected a peer after start().
+  void set_handlers(frame_handler on_frame, peer_down_handler on_down,
+                    peer_up_handler on_up = {});
+
+  /// Makes room for ranks 0 .. world_size-1 (connect() does it for the
+  /// ranks it is given); call before start().
+  caf::error reserve(uint32_t world_size);
 
   /// Creates the endpoints to every other entry; call before start().
   caf::error connect(const std::vector<wire::peer_entry>& peers);
+
+  /// Connects `peer` (a rank within reserve()'s or connect()'s range) at
+  /// its incarnation and address, at any time: before start() as
+  /// connect() does, after it on the lanes' threads (this returns once the
+  /// request is queued). An incarnation older than or the same as the one
+  /// connected is ignored; a newer one replaces it (the older one is fenced
+  /// for good with errc::peer_lost first, if it was alive). Errors:
+  /// invalid_argument (rank out of range, malformed address), closed.
+  caf::error connect_peer(const wire::peer_entry& peer);
+
+  /// The incarnation `peer` is connected at (0: none, or never told).
+  uint64_t peer_incarnation(uint32_t peer) const;
 
   /// Starts the progress thread.
   caf::error start();
@@ -125,17 +161,22 @@ public:
   /// threads queued before, and makes room by progressing rather than
   /// waiting. Errors: peer_lost when the peer is fenced, queue_full,
   /// invalid_argument, closed.
-  caf::error send(uint32_t peer, std::vector<uint8_t> frame, bulk payload = {});
+  /// `incarnation` (0: whichever is connected) is the one the frame is for:
+  /// once the peer runs another, the frame is refused (peer_lost) or, when
+  /// the change comes while it waits in the queue, dropped.
+  caf::error send(uint32_t peer, std::vector<uint8_t> frame, bulk payload = {},
+                  uint64_t incarnation = 0);
 
   /// Encodes and sends a message.
   template <class T>
-  caf::error send_message(uint32_t peer, wire::frame_header h, const T& msg) {
+  caf::error send_message(uint32_t peer, wire::frame_header h, const T& msg,
+                          uint64_t incarnation = 0) {
     h.src_process = self();
     h.dst_process = peer;
     bulk payload;
     if constexpr (wire::has_bulk_v<T>)
       payload = msg.payload;
-    return send(peer, wire::encode(std::move(h), msg), std::move(payload));
+    return send(peer, wire::encode(std::move(h), msg), std::move(payload), incarnation);
   }
 
   /// False once the peer is fenced (or was never connected).
