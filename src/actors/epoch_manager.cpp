@@ -73,6 +73,7 @@ struct epoch_manager::impl {
   /// was announced, or went again to say so).
   bool aborts_previous = false;
   int64_t all_silent_since_ms = 0; // every connected member silent at once, since
+  int64_t last_tick_ms = 0;        // the previous decision's time
   uint64_t divergence_step_seen = UINT64_MAX; // the last divergence report acted on
   uint64_t divergence_epoch_seen = 0;
   std::thread thread;
@@ -116,6 +117,9 @@ struct epoch_manager::impl {
   }
 
   void on_event(const worker_event& ev);
+  bool beacon(uint32_t rank, worker& w, const wire::worker_status& st, int64_t now);
+  void first_commit(uint64_t step, int64_t now);
+  void broken(uint32_t rank, worker& w, const wire::worker_status& st, int64_t now);
   void on_divergence(uint32_t rank, const wire::replica_divergence& d, int64_t now);
   void fail_job(const std::string& reason);
   void run();
@@ -189,6 +193,94 @@ void epoch_manager::impl::lost(uint32_t rank, worker& w, const std::string& why,
                             {"reason", why}});
 }
 
+/// The first commit of the current epoch by a member: the epoch's start
+/// and, after a failure, the failure timed to it.
+void epoch_manager::impl::first_commit(uint64_t step, int64_t now) {
+  first_commit_seen = true;
+  reforms_in_a_row = 0;
+  event_fields f{{"epoch", current.id},
+                 {"step", step},
+                 {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
+  // The first commit after a failure (an epoch grown by a join, long after,
+  // is not a recovery): timed from the first failure found since the last
+  // commit.
+  std::string since;
+  if (unresolved_failure_ms != 0) {
+    const int64_t ms = now - unresolved_failure_ms;
+    stats.failure_to_commit_ms.push_back(ms);
+    unresolved_failure_ms = 0;
+    f.emplace_back("since_failure_ms", ms);
+    since = fmt::format(", {} ms after the failure", ms);
+  }
+  log->emit("first_commit", f);
+  say(fmt::format("epoch {} committed step {}, {} ms after it began{}", current.id, step,
+                  now - epoch_started_ms, since));
+}
+
+/// A rank reported that an epoch broke at it (its step failed, or it could
+/// not build the epoch).
+void epoch_manager::impl::broken(uint32_t rank, worker& w, const wire::worker_status& st,
+                                 int64_t now) {
+  w.broken_since_ms = now;
+  const bool member = is_member(rank, w.incarnation);
+  const bool current_epoch = member && st.broken_epoch == current.id;
+  if (!current_epoch && !failed && !aborts_previous && member
+      && st.broken_epoch == kept_everyone_of) {
+    // The epoch before the current one broke after the current one was
+    // announced (a join raced the failure). Its members switch at their
+    // next agreed step boundary, which the broken step will never reach:
+    // the current epoch goes again, telling them to abort that one now.
+    aborts_previous = true;
+    failure_at(now);
+    auto n = current_notice(fmt::format("epoch {} broke at rank {} ({}) after epoch {} was "
+                                        "announced",
+                                        st.broken_epoch, rank, st.broken_reason, current.id));
+    n.abort_running = true;
+    coord.send_control(std::nullopt, n);
+    say(n.reason + "; its members abort it");
+  }
+  if (current_epoch)
+    failure_at(now);
+  log->emit("epoch_broken", {{"rank", uint64_t{rank}},
+                             {"epoch", st.broken_epoch},
+                             {"current", current_epoch},
+                             {"reason", st.broken_reason}});
+  if (current_epoch && !failed)
+    say(fmt::format("rank {}: epoch {} broke: {}", rank, st.broken_epoch, st.broken_reason));
+}
+
+/// A beacon of `ev.rank`'s newest incarnation. False when it is ignored (a
+/// rank found dead stays out: it is fenced when it learns).
+bool epoch_manager::impl::beacon(uint32_t rank, worker& w, const wire::worker_status& st,
+                                 int64_t now) {
+  w.last_heartbeat_ms = now;
+  if (w.lost)
+    return false;
+  const bool member = is_member(rank, w.incarnation);
+  if (st.state == wire::worker_status::ready && w.ready_since_ms == 0 && !member) {
+    w.ready_since_ms = now;
+    log->emit("catchup_ready",
+              {{"rank", uint64_t{rank}}, {"session", st.session}, {"step", st.step}});
+  } else if (st.state != wire::worker_status::ready) {
+    w.ready_since_ms = 0;
+  }
+  if (!first_commit_seen && member && st.epoch == current.id && st.step > epoch_base_step)
+    first_commit(st.step, now);
+  if (st.broken_epoch != 0 && st.broken_epoch != w.st.broken_epoch)
+    broken(rank, w, st, now);
+  w.has_status = true;
+  w.st = st;
+  w.step = st.step;
+  w.fresh = st.state == wire::worker_status::fresh;
+  w.broken_epoch = st.broken_epoch;
+  w.broken_reason = st.broken_reason;
+  if (current.id == 0 && adopt_seen_ms == 0 && st.epoch > 0)
+    adopt_seen_ms = now;
+  if (member)
+    max_member_step = std::max(max_member_step, st.step);
+  return true;
+}
+
 void epoch_manager::impl::on_event(const worker_event& ev) {
   std::lock_guard lk(mu);
   auto now = now_ms();
@@ -205,81 +297,8 @@ void epoch_manager::impl::on_event(const worker_event& ev) {
     case worker_event::type::status:
       if (ev.status.incarnation != w.incarnation)
         return; // a stale process that outlived its replacement
-      w.last_heartbeat_ms = now;
-      if (w.lost)
-        return; // silent too long: it stays out (it is fenced when it learns)
-      if (ev.status.state == wire::worker_status::ready && w.ready_since_ms == 0
-          && !is_member(ev.rank, w.incarnation)) {
-        w.ready_since_ms = now;
-        log->emit("catchup_ready", {{"rank", uint64_t{ev.rank}},
-                                    {"session", ev.status.session},
-                                    {"step", ev.status.step}});
-      } else if (ev.status.state != wire::worker_status::ready) {
-        w.ready_since_ms = 0;
-      }
-      if (!first_commit_seen && is_member(ev.rank, w.incarnation)
-          && ev.status.epoch == current.id && ev.status.step > epoch_base_step) {
-        first_commit_seen = true;
-        reforms_in_a_row = 0;
-        event_fields f{{"epoch", current.id},
-                       {"step", ev.status.step},
-                       {"since_epoch_ms", static_cast<int64_t>(now - epoch_started_ms)}};
-        // The first commit after a failure (an epoch grown by a join, long
-        // after, is not a recovery): timed from the first failure found
-        // since the last commit.
-        std::string since;
-        if (unresolved_failure_ms != 0) {
-          const int64_t ms = now - unresolved_failure_ms;
-          stats.failure_to_commit_ms.push_back(ms);
-          unresolved_failure_ms = 0;
-          f.emplace_back("since_failure_ms", ms);
-          since = fmt::format(", {} ms after the failure", ms);
-        }
-        log->emit("first_commit", f);
-        say(fmt::format("epoch {} committed step {}, {} ms after it began{}", current.id,
-                        ev.status.step, now - epoch_started_ms, since));
-      }
-      if (ev.status.broken_epoch != 0 && ev.status.broken_epoch != w.st.broken_epoch) {
-        w.broken_since_ms = now;
-        const bool current_epoch = is_member(ev.rank, w.incarnation)
-                                   && ev.status.broken_epoch == current.id;
-        if (!current_epoch && !failed && !aborts_previous && is_member(ev.rank, w.incarnation)
-            && ev.status.broken_epoch == kept_everyone_of) {
-          // The epoch before the current one broke after the current one
-          // was announced (a join raced the failure). Its members switch
-          // at their next agreed step boundary, which the broken step will
-          // never reach: the current epoch goes again, telling them to
-          // abort that one now.
-          aborts_previous = true;
-          failure_at(now);
-          auto n = current_notice(fmt::format("epoch {} broke at rank {} ({}) after epoch {} was "
-                                              "announced",
-                                              ev.status.broken_epoch, ev.rank,
-                                              ev.status.broken_reason, current.id));
-          n.abort_running = true;
-          coord.send_control(std::nullopt, n);
-          say(n.reason + "; its members abort it");
-        }
-        if (current_epoch)
-          failure_at(now);
-        log->emit("epoch_broken", {{"rank", uint64_t{ev.rank}},
-                                   {"epoch", ev.status.broken_epoch},
-                                   {"current", current_epoch},
-                                   {"reason", ev.status.broken_reason}});
-        if (current_epoch && !failed)
-          say(fmt::format("rank {}: epoch {} broke: {}", ev.rank, ev.status.broken_epoch,
-                          ev.status.broken_reason));
-      }
-      w.has_status = true;
-      w.st = ev.status;
-      w.step = ev.status.step;
-      w.fresh = ev.status.state == wire::worker_status::fresh;
-      w.broken_epoch = ev.status.broken_epoch;
-      w.broken_reason = ev.status.broken_reason;
-      if (current.id == 0 && adopt_seen_ms == 0 && ev.status.epoch > 0)
-        adopt_seen_ms = now;
-      if (is_member(ev.rank, w.incarnation))
-        max_member_step = std::max(max_member_step, ev.status.step);
+      if (!beacon(ev.rank, w, ev.status, now))
+        return;
       break;
     case worker_event::type::disconnected:
       if (ev.incarnation != w.incarnation)
@@ -477,7 +496,14 @@ void epoch_manager::impl::apply(recovery::quorum_decision d, int64_t now) {
 void epoch_manager::impl::credit_stall(int64_t now) {
   const int64_t timeout = o.quorum.heartbeat_timeout_ms;
   auto v = recovery::stall_credit(roster(), member_ranks, now, timeout, all_silent_since_ms,
-                                  10 * timeout);
+                                  10 * timeout, last_tick_ms);
+  if (v.gap) {
+    say(fmt::format("this process was held up for {} ms (no decision ran): every member gets "
+                    "one more heartbeat timeout",
+                    now - last_tick_ms));
+    log->emit("stalled", {{"epoch", current.id}, {"ms", now - last_tick_ms}});
+  }
+  last_tick_ms = now;
   all_silent_since_ms = v.all_silent_since_ms;
   if (v.began) {
     say(fmt::format("every member has been silent for more than {} ms at once: waiting for "

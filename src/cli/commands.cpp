@@ -592,20 +592,328 @@ struct launched_checkpointer {
   }
 };
 
+using launch_clock = std::chrono::steady_clock;
+
+/// The workers of one attempt: their processes, their restarts, and the
+/// signals the chaos plan sends them.
+struct launched_workers {
+  const job_options& job;
+  job_options replacement; // a restarted worker catches up; it never resumes
+  std::string exe, address;
+  bool own_nccl_hosts = false;
+  actors::epoch_manager* manager = nullptr;
+  launch_clock::time_point t0;
+  std::vector<child_process> procs;
+  std::vector<uint32_t> restarts;
+  std::vector<std::optional<launch_clock::time_point>> restart_at;
+  std::vector<bool> signalled_down; // killed or stopped by chaos
+  std::vector<std::pair<launch_clock::time_point, uint32_t>> to_continue; // SIGCONT due
+
+  launched_workers(const job_options& j, const launch_setup& ls, std::string exe_path,
+                   std::string addr, actors::epoch_manager* m)
+      : job(j), replacement(j), exe(std::move(exe_path)), address(std::move(addr)),
+        own_nccl_hosts(ls.own_nccl_hosts), manager(m), t0(ls.t0), procs(j.world_size),
+        restarts(j.world_size, 0), restart_at(j.world_size), signalled_down(j.world_size, false) {
+    replacement.supervise.durable.resume.clear();
+  }
+
+  double since_start() const {
+    return std::chrono::duration<double>(launch_clock::now() - t0).count();
+  }
+
+  /// Starts worker `r`; `replacing`: a restart while the job trains (it
+  /// catches up from a live peer; only the attempt's first workers resume
+  /// from a checkpoint).
+  bool start(uint32_t r, bool replacing) {
+    std::string err;
+    std::vector<std::pair<std::string, std::string>> env{
+      {"CMESH_COORDINATOR", address},
+      {"CMESH_RANK", std::to_string(r)},
+      {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
+      {"CMESH_LOCAL_RANK", std::to_string(r)}};
+    if (own_nccl_hosts)
+      env.emplace_back("NCCL_HOSTID", fmt::format("cmesh-{}-rank{}", ::getpid(), r));
+    procs[r] = child_process::spawn(exe, worker_args(replacing ? replacement : job), env, &err);
+    if (procs[r].pid() < 0) {
+      fail_line("cannot start worker: " + err);
+      return false;
+    }
+    if (manager)
+      manager->note("worker_started", {{"rank", uint64_t{r}}, {"pid", int64_t{procs[r].pid()}}});
+    return true;
+  }
+
+  void signal(uint32_t r, int sig, const char* name, uint64_t step) {
+    if (!procs[r].running())
+      return;
+    if (sig != SIGUSR2 && sig != SIGRTMIN) // a fault or a flip: the process lives on
+      signalled_down[r] = sig != SIGCONT;
+    fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
+               procs[r].pid(), step, since_start());
+    std::fflush(stdout);
+    manager->note("chaos", {{"signal", std::string(name)},
+                            {"rank", uint64_t{r}},
+                            {"pid", int64_t{procs[r].pid()}},
+                            {"step", step}});
+    procs[r].signal(sig);
+  }
+
+  /// SIGCONT to the stopped ranks whose stop is over.
+  void continue_due(launch_clock::time_point now, uint64_t step) {
+    for (auto it = to_continue.begin(); it != to_continue.end();) {
+      if (it->first <= now) {
+        signal(it->second, SIGCONT, "SIGCONT", step);
+        it = to_continue.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  /// Worker `r` exited: whether the job can go on, and its restart.
+  /// Errors: a line for the launcher.
+  std::string exited(uint32_t r, int status, launch_clock::time_point now) {
+    if (exit_code_of(status) == 0)
+      return {};
+    fmt::print("cmesh: worker {} (pid {}) ended: {} (t+{:.3f} s)\n", r, procs[r].pid(),
+               exit_text(status), since_start());
+    manager->note("worker_exit", {{"rank", uint64_t{r}},
+                                  {"pid", int64_t{procs[r].pid()}},
+                                  {"status", exit_text(status)}});
+    // A usage error (bad flags or environment, a registration the
+    // coordinator refused) comes back on every restart.
+    if (exit_code_of(status) == 2)
+      return fmt::format("worker {} ended with a usage error (exit 2; see its error line): a "
+                         "restart would fail the same way",
+                         r);
+    if (restarts[r] < job.supervise.max_restarts) {
+      restart_at[r] = now + std::chrono::milliseconds(job.supervise.restart_delay_ms);
+      fmt::print("cmesh: worker {} restarts in {} ms\n", r, job.supervise.restart_delay_ms);
+    }
+    std::fflush(stdout);
+    return {};
+  }
+
+  /// Dead workers are restarted after the delay, up to max_restarts each
+  /// (none while `stopping`). Errors: a line for the launcher (a worker
+  /// that cannot be started or restarted, or none left).
+  std::string keep(launch_clock::time_point now, bool stopping) {
+    size_t alive = 0;
+    for (uint32_t r = 0; r < procs.size(); ++r) {
+      if (restart_at[r] && stopping)
+        restart_at[r].reset(); // stopping: nobody is replaced
+      if (restart_at[r] && *restart_at[r] <= now) {
+        restart_at[r].reset();
+        ++restarts[r];
+        fmt::print("cmesh: restarting worker {} (restart {} of {}, t+{:.3f} s)\n", r, restarts[r],
+                   job.supervise.max_restarts, since_start());
+        std::fflush(stdout);
+        manager->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
+        signalled_down[r] = false;
+        if (!start(r, true))
+          return "cannot restart a worker";
+      }
+      if (procs[r].running())
+        if (auto st = procs[r].poll())
+          if (auto e = exited(r, *st, now); !e.empty())
+            return e;
+      alive += procs[r].running() || restart_at[r] ? 1 : 0;
+    }
+    return alive == 0 ? "every worker has exited" : "";
+  }
+
+  /// After the job: every worker waited for (a stopped one continued
+  /// first), killed after 10 s. False when one had to be killed, or (not
+  /// training) one ended badly.
+  bool reap() {
+    bool ok = true;
+    for (uint32_t r = 0; r < procs.size(); ++r) {
+      if (procs[r].pid() <= 0)
+        continue;
+      procs[r].signal(SIGCONT); // a stopped worker cannot hear the shutdown
+      auto st = procs[r].wait(10s);
+      if (!st) {
+        fmt::print(stderr, "cmesh: worker {} did not exit; killing it\n", r);
+        procs[r].kill_and_reap();
+        ok = false;
+      } else if (exit_code_of(*st) != 0 && job.job != "train") {
+        fmt::print(stderr, "cmesh: worker {} ended with {}\n", r, describe_wait_status(*st));
+        ok = false;
+      }
+    }
+    return ok;
+  }
+};
+
+/// The chaos plan's actions whose step the members reached, sent to the
+/// workers (and the checkpointer, and the checkpoints).
+struct launch_chaos {
+  const job_options& job;
+  launch_setup& ls;
+  launched_workers& w;
+  launched_checkpointer& checkpointer;
+  uint32_t per_group = 1;
+
+  /// Live member groups other than `target`'s (a group lives while all its
+  /// ranks do). A group the newest epoch admits counts only once its ranks
+  /// trained in an epoch: until they enter it they are still catching up,
+  /// and the state they lack may be only on the group about to be killed
+  /// (whose surviving rank is then fenced).
+  size_t others_live(const actors::epoch_manager::view& v, uint32_t target) const {
+    auto trained = [](uint8_t state) {
+      return state == wire::worker_status::training || state == wire::worker_status::recovering;
+    };
+    std::map<uint32_t, size_t> up;
+    for (auto& r : v.ranks)
+      if (r.member && r.live && trained(r.state) && !w.signalled_down[r.rank]
+          && r.rank / per_group != target / per_group)
+        ++up[r.rank / per_group];
+    size_t n = 0;
+    for (auto& [g, k] : up)
+      n += k == per_group ? 1 : 0;
+    return n;
+  }
+
+  /// One action; false when it must wait (a kill of a catch-up source with
+  /// none running).
+  bool act(const chaos::action& a, const actors::epoch_manager::view& v,
+           launch_clock::time_point now) {
+    const uint64_t step = v.max_member_step;
+    switch (a.kind) {
+      case chaos::action_kind::kill_all:
+        for (uint32_t r = 0; r < w.procs.size(); ++r)
+          w.signal(r, SIGKILL, "SIGKILL (kill-all)", step);
+        return true;
+      case chaos::action_kind::kill_checkpointer:
+        checkpointer.kill(step, *w.manager, w.since_start());
+        return true;
+      case chaos::action_kind::corrupt:
+        w.manager->note("chaos", {{"action", std::string("corrupt")},
+                                  {"step", step},
+                                  {"what", corrupt_newest_checkpoint(job.supervise.durable)}});
+        return true;
+      case chaos::action_kind::kill_source:
+        // Waits for a catch-up to run whose source is not the last live member.
+        if (!v.catchup_source || others_live(v, *v.catchup_source) == 0)
+          return false;
+        w.signal(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", step);
+        return true;
+      case chaos::action_kind::fault:
+        // One signal per failed attempt; apart, so that none merges with one
+        // still pending.
+        for (uint32_t k = 0; k < a.times; ++k) {
+          if (k > 0)
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          w.signal(a.rank, SIGUSR2, "SIGUSR2 (fault)", step);
+        }
+        return true;
+      case chaos::action_kind::flip:
+        w.signal(a.rank, SIGRTMIN, "SIGRTMIN (flip)", step);
+        return true;
+      default:
+        break;
+    }
+    if (a.survivable && others_live(v, a.rank) == 0) {
+      // A survivable kill, stop or hang of the last live group.
+      fmt::print("cmesh: chaos: skipped {} of rank {} at step {}: its group is the last live "
+                 "one\n",
+                 a.kind == chaos::action_kind::kill   ? "SIGKILL"
+                 : a.kind == chaos::action_kind::stop ? "SIGSTOP"
+                                                      : "SIGUSR1 (hang)",
+                 a.rank, step);
+    } else if (a.kind == chaos::action_kind::hang) {
+      w.signal(a.rank, SIGUSR1, "SIGUSR1 (hang)", step);
+    } else if (a.kind == chaos::action_kind::kill) {
+      w.signal(a.rank, SIGKILL, "SIGKILL", step);
+    } else {
+      w.signal(a.rank, SIGSTOP, "SIGSTOP", step);
+      w.to_continue.emplace_back(now + std::chrono::milliseconds(a.stop_ms), a.rank);
+    }
+    return true;
+  }
+
+  void run_due(const actors::epoch_manager::view& v, launch_clock::time_point now) {
+    while (ls.next_action < ls.plan.size()
+           && ls.plan[ls.next_action].at_step <= v.max_member_step) {
+      if (!act(ls.plan[ls.next_action], v, now))
+        break;
+      ++ls.next_action;
+    }
+  }
+};
+
+/// SIGINT or SIGTERM to the launcher: every worker is asked to stop after a
+/// step they agree on (checkpointed); a second one ends the job at once
+/// (its reason returned).
+std::string forward_stop(const job_options& job, launch_setup& ls, launched_workers& w,
+                         uint64_t step) {
+  const int n = launch_signals.load();
+  if (n <= ls.signals_seen)
+    return {};
+  ls.signals_seen = n;
+  if (n > 1)
+    return "interrupted twice: every worker is ended";
+  fmt::print("cmesh: stopping: every worker finishes a step they agree on{} and exits (again to "
+             "end them at once)\n",
+             job.supervise.durable.writes() ? ", checkpoints it," : "");
+  std::fflush(stdout);
+  w.manager->note("stop", {{"step", step}});
+  for (auto& p : w.procs)
+    if (p.running())
+      p.signal(SIGTERM);
+  return {};
+}
+
+/// Prints the attempt's opening lines: the coordinator, and the chaos plan.
+void announce_attempt(const job_options& job, const launch_setup& ls, const std::string& address,
+                      actors::epoch_manager* manager) {
+  fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);
+  if (manager && ls.job_restarts > 0)
+    manager->note("job_restart", {{"restart", uint64_t{ls.job_restarts}},
+                                  {"resume", job.supervise.durable.resume}});
+  const auto& plan = ls.plan;
+  if (!plan.empty() && ls.job_restarts == 0)
+    fmt::print("cmesh: chaos plan {} (seed {})\n", chaos::to_string(plan),
+               job.supervise.chaos_seed);
+  if (std::any_of(plan.begin(), plan.end(),
+                  [](auto& a) { return a.kind == chaos::action_kind::hang; }))
+    fmt::print("cmesh: chaos: a hung rank is ended by its step watchdog after {} ms "
+               "(--step-timeout-ms)\n",
+               job.supervise.step_timeout_ms);
+}
+
+/// A training attempt's wait: each tick forwards a stop, runs the chaos
+/// plan, keeps the checkpointer and restarts dead workers.
+job_outcome await_launched_training(coordinator& coord, const job_options& job,
+                                    launch_setup& ls, launched_workers& w,
+                                    launched_checkpointer& checkpointer) {
+  launch_chaos chaos{job, ls, w, checkpointer,
+                     static_cast<uint32_t>(ranks_per_group(job.train, job.world_size))};
+  auto tick = [&](const actors::epoch_manager::view& v) -> std::string {
+    const auto now = launch_clock::now();
+    if (auto e = forward_stop(job, ls, w, v.max_member_step); !e.empty())
+      return e;
+    chaos.run_due(v, now);
+    w.continue_due(now, v.max_member_step);
+    if (ls.signals_seen == 0)
+      if (auto e = checkpointer.keep(w.exe, job, w.address, *w.manager, w.since_start());
+          !e.empty())
+        return e;
+    return w.keep(now, ls.signals_seen > 0);
+  };
+  return await_training(coord, *w.manager, std::chrono::seconds(job.timeout_s), tick);
+}
+
 /// One attempt of a launched job: a coordinator, its epoch manager and the
 /// workers, until the job ends. `resumable`: it ended because no epoch can
 /// form (every replica group lost), which a restart of every worker from
 /// the checkpoints repairs; with `may_resume` that is said as a line, not
 /// as the job's error.
 int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bool& resumable) {
-  const auto& plan = ls.plan;
-  const uint64_t target = ls.target;
-  const bool own_nccl_hosts = ls.own_nccl_hosts;
-  size_t& next_action = ls.next_action;
   coordinator coord(ls.co);
   std::unique_ptr<actors::epoch_manager> manager;
   if (job.job == "train") {
-    auto made = make_epoch_manager(coord, job, target);
+    auto made = make_epoch_manager(coord, job, ls.target);
     if (!made) {
       fail_line(describe(made.error()));
       return 2;
@@ -617,221 +925,25 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
     return 3;
   }
   auto address = fmt::format("127.0.0.1:{}", coord.port());
-  fmt::print("cmesh: coordinator on {}, launching {} workers\n", address, job.world_size);
-  if (manager && ls.job_restarts > 0)
-    manager->note("job_restart", {{"restart", uint64_t{ls.job_restarts}},
-                              {"resume", job.supervise.durable.resume}});
-  if (!plan.empty() && ls.job_restarts == 0)
-    fmt::print("cmesh: chaos plan {} (seed {})\n", chaos::to_string(plan), job.supervise.chaos_seed);
-  if (std::any_of(plan.begin(), plan.end(),
-                  [](auto& a) { return a.kind == chaos::action_kind::hang; }))
-    fmt::print("cmesh: chaos: a hung rank is ended by its step watchdog after {} ms "
-               "(--step-timeout-ms)\n",
-               job.supervise.step_timeout_ms);
-  auto exe = self_exe_dir() + "/cmesh";
-  std::vector<child_process> workers(job.world_size);
-  const auto t0 = ls.t0;
-  auto secs_since_start = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  // A worker restarted while the job trains (`replacing`) catches up from
-  // a live peer; only the attempt's first workers resume from a checkpoint.
-  job_options replacement = job;
-  replacement.supervise.durable.resume.clear();
-  auto start_worker = [&](uint32_t r, bool replacing) -> bool {
-    std::string err;
-    std::vector<std::pair<std::string, std::string>> env{
-      {"CMESH_COORDINATOR", address},
-      {"CMESH_RANK", std::to_string(r)},
-      {"CMESH_WORLD_SIZE", std::to_string(job.world_size)},
-      {"CMESH_LOCAL_RANK", std::to_string(r)}};
-    if (own_nccl_hosts)
-      env.emplace_back("NCCL_HOSTID", fmt::format("cmesh-{}-rank{}", ::getpid(), r));
-    workers[r] = child_process::spawn(exe, worker_args(replacing ? replacement : job), env, &err);
-    if (workers[r].pid() < 0) {
-      fail_line("cannot start worker: " + err);
-      return false;
-    }
-    if (manager)
-      manager->note("worker_started", {{"rank", uint64_t{r}}, {"pid", int64_t{workers[r].pid()}}});
-    return true;
-  };
+  announce_attempt(job, ls, address, manager.get());
+  launched_workers w(job, ls, self_exe_dir() + "/cmesh", address, manager.get());
   launched_checkpointer checkpointer;
   if (job.job == "train" && job.supervise.durable.checkpointer && job.supervise.durable.writes())
-    if (auto e = checkpointer.start(exe, job, address, manager.get()); !e.empty()) {
+    if (auto e = checkpointer.start(w.exe, job, address, manager.get()); !e.empty()) {
       fail_line(e);
       return 3;
     }
   for (uint32_t r = 0; r < job.world_size; ++r)
-    if (!start_worker(r, false))
+    if (!w.start(r, false))
       return 3;
-
   job_outcome out;
   if (job.job == "train") {
-    using clock = std::chrono::steady_clock;
-    std::vector<uint32_t> restarts(job.world_size, 0);
-    std::vector<std::optional<clock::time_point>> restart_at(job.world_size);
-    std::vector<bool> exited_ok(job.world_size, false);
-    std::vector<std::pair<clock::time_point, uint32_t>> to_continue; // SIGCONT due
-    std::vector<bool> signalled_down(job.world_size, false); // killed or stopped by chaos
-    auto signal_rank = [&](uint32_t r, int sig, const char* name, uint64_t step) {
-      if (!workers[r].running())
-        return;
-      if (sig != SIGUSR2 && sig != SIGRTMIN) // a fault or a flip: the process lives on
-        signalled_down[r] = sig != SIGCONT;
-      fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
-                 workers[r].pid(), step, secs_since_start());
-      std::fflush(stdout);
-      manager->note("chaos", {{"signal", std::string(name)},
-                          {"rank", uint64_t{r}},
-                          {"pid", int64_t{workers[r].pid()}},
-                          {"step", step}});
-      workers[r].signal(sig);
-    };
-    const auto per_group = static_cast<uint32_t>(ranks_per_group(job.train, job.world_size));
-    auto tick = [&](const actors::epoch_manager::view& v) -> std::string {
-      auto now = clock::now();
-      // SIGINT or SIGTERM: every worker is asked to stop after a step they
-      // agree on (checkpointed); a second one ends the job at once.
-      if (const int n = launch_signals.load(); n > ls.signals_seen) {
-        ls.signals_seen = n;
-        if (n > 1)
-          return "interrupted twice: every worker is ended";
-        fmt::print("cmesh: stopping: every worker finishes a step they agree on{} and exits "
-                   "(again to end them at once)\n",
-                   job.supervise.durable.writes() ? ", checkpoints it," : "");
-        std::fflush(stdout);
-        manager->note("stop", {{"step", v.max_member_step}});
-        for (auto& w : workers)
-          if (w.running())
-            w.signal(SIGTERM);
-      }
-      // Chaos: actions whose step the members reached.
-      while (next_action < plan.size() && plan[next_action].at_step <= v.max_member_step) {
-        auto& a = plan[next_action];
-        // Live member groups other than the target's (a group lives while
-        // all its ranks do). A group the newest epoch admits counts only
-        // once its ranks trained in an epoch: until they enter it they are
-        // still catching up, and the state they lack may be only on the
-        // group about to be killed (whose surviving rank is then fenced).
-        auto trained = [](uint8_t state) {
-          return state == wire::worker_status::training || state == wire::worker_status::recovering;
-        };
-        auto others_live = [&](uint32_t target) {
-          std::map<uint32_t, size_t> up;
-          for (auto& r : v.ranks)
-            if (r.member && r.live && trained(r.state) && !signalled_down[r.rank]
-                && r.rank / per_group != target / per_group)
-              ++up[r.rank / per_group];
-          size_t n = 0;
-          for (auto& [g, k] : up)
-            n += k == per_group ? 1 : 0;
-          return n;
-        };
-        if (a.kind == chaos::action_kind::kill_all) {
-          for (uint32_t r = 0; r < workers.size(); ++r)
-            signal_rank(r, SIGKILL, "SIGKILL (kill-all)", v.max_member_step);
-        } else if (a.kind == chaos::action_kind::kill_checkpointer) {
-          checkpointer.kill(v.max_member_step, *manager, secs_since_start());
-        } else if (a.kind == chaos::action_kind::corrupt) {
-          manager->note("chaos", {{"action", std::string("corrupt")}, {"step", v.max_member_step},
-                              {"what", corrupt_newest_checkpoint(job.supervise.durable)}});
-        } else if (a.kind == chaos::action_kind::kill_source) {
-          // Waits for a catch-up to run whose source is not the last live member.
-          if (!v.catchup_source || others_live(*v.catchup_source) == 0)
-            break;
-          signal_rank(*v.catchup_source, SIGKILL, "SIGKILL (catch-up source)", v.max_member_step);
-        } else if (a.kind == chaos::action_kind::fault) {
-          // One signal per failed attempt; apart, so that none merges with
-          // one still pending.
-          for (uint32_t k = 0; k < a.times; ++k) {
-            if (k > 0)
-              std::this_thread::sleep_for(std::chrono::milliseconds(20));
-            signal_rank(a.rank, SIGUSR2, "SIGUSR2 (fault)", v.max_member_step);
-          }
-        } else if (a.kind == chaos::action_kind::flip) {
-          signal_rank(a.rank, SIGRTMIN, "SIGRTMIN (flip)", v.max_member_step);
-        } else if (a.survivable && others_live(a.rank) == 0) {
-          // A survivable kill, stop or hang of the last live group.
-          fmt::print("cmesh: chaos: skipped {} of rank {} at step {}: its group is the last "
-                     "live one\n",
-                     a.kind == chaos::action_kind::kill   ? "SIGKILL"
-                     : a.kind == chaos::action_kind::stop ? "SIGSTOP"
-                                                          : "SIGUSR1 (hang)",
-                     a.rank, v.max_member_step);
-        } else if (a.kind == chaos::action_kind::hang) {
-          signal_rank(a.rank, SIGUSR1, "SIGUSR1 (hang)", v.max_member_step);
-        } else if (a.kind == chaos::action_kind::kill) {
-          signal_rank(a.rank, SIGKILL, "SIGKILL", v.max_member_step);
-        } else {
-          signal_rank(a.rank, SIGSTOP, "SIGSTOP", v.max_member_step);
-          to_continue.emplace_back(now + std::chrono::milliseconds(a.stop_ms), a.rank);
-        }
-        ++next_action;
-      }
-      for (auto it = to_continue.begin(); it != to_continue.end();) {
-        if (it->first <= now) {
-          signal_rank(it->second, SIGCONT, "SIGCONT", v.max_member_step);
-          it = to_continue.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if (ls.signals_seen == 0)
-        if (auto e = checkpointer.keep(exe, job, address, *manager, secs_since_start()); !e.empty())
-          return e;
-      // Dead workers are restarted after the delay, up to max_restarts each.
-      size_t alive = 0;
-      for (uint32_t r = 0; r < workers.size(); ++r) {
-        if (restart_at[r] && ls.signals_seen > 0)
-          restart_at[r].reset(); // stopping: nobody is replaced
-        if (restart_at[r] && *restart_at[r] <= now) {
-          restart_at[r].reset();
-          ++restarts[r];
-          fmt::print("cmesh: restarting worker {} (restart {} of {}, t+{:.3f} s)\n", r,
-                      restarts[r], job.supervise.max_restarts, secs_since_start());
-          std::fflush(stdout);
-          manager->note("restart", {{"rank", uint64_t{r}}, {"restart", uint64_t{restarts[r]}}});
-          signalled_down[r] = false;
-          if (!start_worker(r, true))
-            return "cannot restart a worker";
-        }
-        if (workers[r].running()) {
-          if (auto st = workers[r].poll()) {
-            exited_ok[r] = exit_code_of(*st) == 0;
-            if (!exited_ok[r]) {
-              fmt::print("cmesh: worker {} (pid {}) ended: {} (t+{:.3f} s)\n", r,
-                         workers[r].pid(), exit_text(*st), secs_since_start());
-              manager->note("worker_exit", {{"rank", uint64_t{r}},
-                                        {"pid", int64_t{workers[r].pid()}},
-                                        {"status", exit_text(*st)}});
-              // A usage error (bad flags or environment, a registration the
-              // coordinator refused) comes back on every restart.
-              if (exit_code_of(*st) == 2)
-                return fmt::format("worker {} ended with a usage error (exit 2; see its "
-                                   "error line): a restart would fail the same way",
-                                   r);
-              if (restarts[r] < job.supervise.max_restarts) {
-                restart_at[r] = now + std::chrono::milliseconds(job.supervise.restart_delay_ms);
-                fmt::print("cmesh: worker {} restarts in {} ms\n", r,
-                           job.supervise.restart_delay_ms);
-              }
-              std::fflush(stdout);
-            }
-          }
-        }
-        alive += workers[r].running() || restart_at[r] ? 1 : 0;
-      }
-      if (alive == 0)
-        return "every worker has exited";
-      return {};
-    };
-    out = await_training(coord, *manager, std::chrono::seconds(job.timeout_s), tick);
+    out = await_launched_training(coord, job, ls, w, checkpointer);
   } else {
     auto early_exit = [&]() -> std::string {
-      for (uint32_t r = 0; r < workers.size(); ++r)
-        if (auto st = workers[r].poll(); st && exit_code_of(*st) != 0)
-          return fmt::format("worker {} (pid {}) ended early: {}", r, workers[r].pid(),
+      for (uint32_t r = 0; r < w.procs.size(); ++r)
+        if (auto st = w.procs[r].poll(); st && exit_code_of(*st) != 0)
+          return fmt::format("worker {} (pid {}) ended early: {}", r, w.procs[r].pid(),
                              describe_wait_status(*st));
       return {};
     };
@@ -841,20 +953,8 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
     manager->stop(); // workers leaving now are not failures
   coord.broadcast_shutdown(out.ok ? 0 : 1, out.ok ? "job done" : out.reason);
   int rc = out.ok ? 0 : 1;
-  for (uint32_t r = 0; r < workers.size(); ++r) {
-    if (workers[r].pid() <= 0)
-      continue;
-    workers[r].signal(SIGCONT); // a stopped worker cannot hear the shutdown
-    auto st = workers[r].wait(10s);
-    if (!st) {
-      fmt::print(stderr, "cmesh: worker {} did not exit; killing it\n", r);
-      workers[r].kill_and_reap();
-      rc = 1;
-    } else if (exit_code_of(*st) != 0 && job.job != "train") {
-      fmt::print(stderr, "cmesh: worker {} ended with {}\n", r, describe_wait_status(*st));
-      rc = 1;
-    }
-  }
+  if (!w.reap())
+    rc = 1;
   if (!checkpointer.stop(job, manager.get()))
     rc = 1;
   if (manager)
@@ -867,7 +967,7 @@ int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bo
       fail_line(out.reason);
     return 1;
   }
-  fmt::print("cmesh: {} workers done in {:.2f} s{}\n", job.world_size, secs_since_start(),
+  fmt::print("cmesh: {} workers done in {:.2f} s{}\n", job.world_size, w.since_start(),
              rc == 0 ? "" : " (some exited badly)");
   if (job.job == "train" && !out.done.empty())
     fmt::print("cmesh: summary: {}\n", out.done.begin()->second);

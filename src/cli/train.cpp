@@ -21,6 +21,8 @@
 #include <unistd.h>
 
 #include <future>
+#include <optional>
+#include <variant>
 #include <memory>
 #include <thread>
 
@@ -123,25 +125,11 @@ void print_shadow(uint32_t rank, actors::shadow_feed& feed, const actors::train_
   std::fflush(stdout);
 }
 
-} // namespace
-
-expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
-                           std::chrono::seconds timeout, std::chrono::milliseconds step_timeout,
-                           int catchup_nice, const shadow_flags& shadow) {
+/// The supervisor's options for this worker.
+actors::supervisor_options supervisor_options_of(joined_mesh& j, const model::run_config& config,
+                                                 std::chrono::milliseconds step_timeout,
+                                                 int catchup_nice) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
-  const auto size = static_cast<size_t>(j.place.world_size);
-  auto report_failure = [&](const caf::error& e) {
-    j.coordinator.report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
-                          mono_ns()});
-    return e;
-  };
-  auto data = model::corpus::load(config.data, config.train.seq_len);
-  if (!data)
-    return report_failure(data.error());
-  auto ctx = coll::host_context::create(rank);
-  if (!ctx)
-    return report_failure(ctx.error());
-
   actors::supervisor_options ao;
   ao.rank = rank;
   ao.incarnation = j.incarnation;
@@ -162,63 +150,41 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
       ao.device = static_cast<int>(rank % acc.devices.size()); // the model's GPU
   }
 #endif
-  // The supervisor owns the coordinator connection from here on (it reconnects
-  // to a coordinator that restarts).
-  actors::supervisor sup(ao, std::move(j.coordinator), *ctx);
-  sup.start();
-  auto report_failure_late = [&](const caf::error& e) {
-    sup.client()->report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
-                            mono_ns()});
-    return e;
-  };
+  return ao;
+}
 
-  actors::trainer_options opts;
-  opts.config = config;
-  opts.replicas = replicas;
-  opts.ranks_per_group = size / replicas;
-  if (rank == 0)
-    fmt::print("cmesh: training {} on {} replica group(s) x {} rank(s), {} ({} steps, global "
-               "batch {}, {}{}{}{})\n",
-               "the built-in MoE model", replicas, size / replicas, (*data)->origin(), config.train.steps,
-               config.train.global_batch, config.train.precision,
-               config.model.activations == "bf16" ? ", bf16 activations" : "",
-               model::bf16_products(config.model, config.train.device != "cpu")
-                 ? ", bf16 products"
-                 : "",
-               config.train.exact ? ", exact" : "");
-  size_t every = config.train.log_every, total = config.train.steps;
-  auto step_ms_total = std::make_shared<double>(0.0); // read once the trainer is done
-  opts.on_step = [every, total, step_ms_total](const actors::step_report& r) {
-    *step_ms_total += r.step_ms;
-    if (r.first_member)
-      print_progress(r, every, total);
-  };
-  // The trainer runs in its own (detached) actor; this thread waits for it.
-  caf::actor_system_config sys_cfg;
-  tune_actor_system(sys_cfg, 1);
-  caf::actor_system sys{sys_cfg};
-  // The actor mesh: the transport's detector runs, and its peers follow the
-  // membership (the supervisor dials them). No actor publishes on it yet.
-  mesh actor_mesh(sys, *j.net);
-  if (auto e = j.net->start())
-    return report_failure_late(e);
+/// Rank 0's first line: what trains on what.
+void announce_training(const model::run_config& config, size_t replicas, size_t size,
+                       const std::string& origin, const shadow_flags& shadow) {
+  fmt::print("cmesh: training {} on {} replica group(s) x {} rank(s), {} ({} steps, global "
+             "batch {}, {}{}{}{})\n",
+             "the built-in MoE model", replicas, size / replicas, origin, config.train.steps,
+             config.train.global_batch, config.train.precision,
+             config.model.activations == "bf16" ? ", bf16 activations" : "",
+             model::bf16_products(config.model, config.train.device != "cpu") ? ", bf16 products"
+                                                                              : "",
+             config.train.exact ? ", exact" : "");
   if (shadow.resume) {
     const auto& c = *shadow.resume->ckpt;
-    opts.load = loader_of(*shadow.resume);
-    if (rank == 0)
-      fmt::print("cmesh: resuming from {} (step {}, written by {} replica group(s) x {} "
-                 "rank(s)){}\n",
-                 c.dir(), c.step(), c.info().meta.replicas, c.info().meta.ranks_per_group,
-                 shadow.resume->note.empty() ? "" : "; " + shadow.resume->note);
+    fmt::print("cmesh: resuming from {} (step {}, written by {} replica group(s) x {} "
+               "rank(s)){}\n",
+               c.dir(), c.step(), c.info().meta.replicas, c.info().meta.ranks_per_group,
+               shadow.resume->note.empty() ? "" : "; " + shadow.resume->note);
   }
-  // The shadow is made beside the model, which names its tensors. With
-  // --checkpointer the shadows live in a process of their own, which the
-  // writing group's ranks stream to.
+}
+
+/// Where the committed steps go besides the trainer: the checkpoint shadow
+/// made beside the model (which names its tensors), or, with
+/// --checkpointer, the feed of the process that holds the shadows.
+struct commit_sinks {
   std::unique_ptr<actors::shadow_feed> feed;
   std::unique_ptr<actors::checkpointer_feed> remote;
-  auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
-  auto fut = done->get_future();
-  auto make_listener = [&](model::model& net) -> actors::commit_listener* {
+
+  actors::commit_listener* make(caf::actor_system& sys, joined_mesh& j,
+                                const model::run_config& config, const shadow_flags& shadow,
+                                model::model& net, size_t replicas) {
+    const auto rank = static_cast<uint32_t>(j.place.rank);
+    const auto size = static_cast<size_t>(j.place.world_size);
     if (shadow.durable.checkpointer && shadow.durable.writes()) {
       actors::checkpointer_feed_options co;
       co.train = config.train;
@@ -239,84 +205,63 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                             shadow.resume ? shadow.resume->ckpt->step() : 0);
     feed = std::make_unique<actors::shadow_feed>(sys, std::move(so));
     return feed.get();
-  };
-  spawn_blocking(sys, [done, opts, data = *data, watcher = &sup, rank,
-                       &make_listener](caf::blocking_actor*) mutable {
-    const auto& d = opts.config.train.device;
-    const auto where = d == "cuda"       ? model::compute_device::cuda
-                       : d == "emulated" ? model::compute_device::emulated
-                                         : model::compute_device::cpu;
-    auto net = model::make_moe_lm_on(opts.config.model, where, rank);
-    if (!net) {
-      done->set_value(net.error());
-      return;
+  }
+
+  /// The last step's checkpoint is on disk (or at least its update reached
+  /// the checkpointer's shadow) before the rank says it is done.
+  void drain(uint32_t rank, const shadow_flags& shadow, uint64_t steps,
+             std::chrono::seconds timeout) {
+    if (feed && shadow.durable.writes())
+      if (auto s = feed->drain(steps, timeout); !s)
+        spdlog::error("rank {}: {}", rank, describe(s.error()));
+    if (remote)
+      if (auto e = remote->drain(std::chrono::seconds(60)))
+        spdlog::error("rank {}: {}", rank, describe(e));
+  }
+
+  void print(uint32_t rank, const actors::train_result& result) {
+    if (feed)
+      print_shadow(rank, *feed, result);
+    if (remote) {
+      const auto st = remote->stats();
+      fmt::print("cmesh: rank {} checkpointer feed linked={} links={} seeds={} sent={} "
+                 "dropped={} acked={} refused={}\n",
+                 rank, st.linked, st.links, st.seeds, st.sent, st.dropped, st.acked, st.refused);
+      std::fflush(stdout);
     }
-    opts.listener = make_listener(**net);
-    actors::trainer t(opts, std::move(*net), data, *watcher, rank);
-    done->set_value(t.run());
-  });
-  // While it runs, the job may end (the coordinator's shutdown: the others
-  // finished, or the job failed) or time out: either stops the supervisor, which
-  // aborts whatever the trainer waits on.
+  }
+};
+
+/// Waits for the trainer while the job may end (the coordinator's shutdown:
+/// the others finished, or the job failed) or time out: either stops the
+/// supervisor, which aborts whatever the trainer waits on. The result, or
+/// the exit code of a job that ended first (nullopt: timed out).
+std::variant<expected<actors::train_result>, std::optional<int>>
+wait_trainer(actors::supervisor& sup, std::future<expected<actors::train_result>>& fut,
+             uint32_t rank, std::chrono::seconds timeout) {
   auto give_up = std::chrono::steady_clock::now() + timeout;
   while (fut.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
     auto sd = sup.client()->wait_shutdown(std::chrono::milliseconds(0));
-    bool ended = static_cast<bool>(sd) || std::chrono::steady_clock::now() > give_up;
-    if (ended) {
-      sup.stop();
-      fut.wait();
-      if (sd) {
-        auto r = fut.get();
-        // Finished just in time, or cut short by the end of the job.
-        if (!r)
-          spdlog::info("rank {}: the job ended first ({}): {}", rank, sd->reason,
-                       describe(r.error()));
-        return sd->exit_code;
-      }
-      break;
-    }
-  }
-  auto result = fut.get();
-  if (!result) {
+    if (!sd && std::chrono::steady_clock::now() <= give_up)
+      continue;
     sup.stop();
-    report_failure_late(result.error());
-    if (code_of(result.error()) == errc::fenced)
-      return exit_fenced;
-    return result.error();
+    fut.wait();
+    if (!sd)
+      break;
+    auto r = fut.get();
+    // Finished just in time, or cut short by the end of the job.
+    if (!r)
+      spdlog::info("rank {}: the job ended first ({}): {}", rank, sd->reason,
+                   describe(r.error()));
+    return std::optional<int>(sd->exit_code);
   }
-  ::alarm(0); // a stop's deadline (run_worker) is for a rank that never trained
-  if (feed && shadow.durable.writes()) {
-    // The last step's checkpoint is on disk before the rank says it is done.
-    if (auto s = feed->drain(result->steps, timeout); !s)
-      spdlog::error("rank {}: {}", rank, describe(s.error()));
-  }
-  if (remote) {
-    // ... or at least its update reached the checkpointer's shadow.
-    if (auto e = remote->drain(std::chrono::seconds(60)))
-      spdlog::error("rank {}: {}", rank, describe(e));
-  }
-  if (result->stopped && rank == 0)
-    fmt::print("cmesh: stopped after step {} on request{}\n", result->steps,
-               shadow.durable.writes() ? "; --resume latest goes on from there" : "");
-  sup.finished(result->steps,
-                 {rank, "done",
-                  fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
-                              result->steps, result->final_loss, result->tokens_per_s,
-                              result->seconds, result->weights_xxh64),
-                  mono_ns()});
-  print_stats(rank, *step_ms_total, result->verify_ms, j.net->stats());
-  if (feed)
-    print_shadow(rank, *feed, *result);
-  if (remote) {
-    const auto st = remote->stats();
-    fmt::print("cmesh: rank {} checkpointer feed linked={} links={} seeds={} sent={} dropped={} "
-               "acked={} refused={}\n",
-               rank, st.linked, st.links, st.seeds, st.sent, st.dropped, st.acked, st.refused);
-    std::fflush(stdout);
-  }
-  // Beacons go on until the job ends, so the coordinator never mistakes a
-  // finished rank for a dead one while the others finish. A coordinator
-  // that is away is waited for (the supervisor reconnects to its restart).
+  return fut.get();
+}
+
+/// Beacons go on until the job ends, so the coordinator never mistakes a
+/// finished rank for a dead one while the others finish. A coordinator
+/// that is away is waited for (the supervisor reconnects to its restart).
+expected<int> await_shutdown(actors::supervisor& sup, std::chrono::seconds timeout) {
   auto until = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     auto sd = sup.client()->wait_shutdown(std::chrono::milliseconds(200));
@@ -332,6 +277,102 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
     if (code_of(sd.error()) == errc::closed)
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+}
+
+} // namespace
+
+expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
+                           std::chrono::seconds timeout, std::chrono::milliseconds step_timeout,
+                           int catchup_nice, const shadow_flags& shadow) {
+  const auto rank = static_cast<uint32_t>(j.place.rank);
+  const auto size = static_cast<size_t>(j.place.world_size);
+  auto report_failure = [&](const caf::error& e) {
+    j.coordinator.report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
+                          mono_ns()});
+    return e;
+  };
+  auto data = model::corpus::load(config.data, config.train.seq_len);
+  if (!data)
+    return report_failure(data.error());
+  auto ctx = coll::host_context::create(rank);
+  if (!ctx)
+    return report_failure(ctx.error());
+  // The supervisor owns the coordinator connection from here on (it
+  // reconnects to a coordinator that restarts).
+  actors::supervisor sup(supervisor_options_of(j, config, step_timeout, catchup_nice),
+                         std::move(j.coordinator), *ctx);
+  sup.start();
+  auto report_failure_late = [&](const caf::error& e) {
+    sup.client()->report({rank, code_of(e) == errc::fenced ? "fenced" : "failed", describe(e),
+                          mono_ns()});
+    return e;
+  };
+  actors::trainer_options opts;
+  opts.config = config;
+  opts.replicas = replicas;
+  opts.ranks_per_group = size / replicas;
+  if (rank == 0)
+    announce_training(config, replicas, size, (*data)->origin(), shadow);
+  size_t every = config.train.log_every, total = config.train.steps;
+  auto step_ms_total = std::make_shared<double>(0.0); // read once the trainer is done
+  opts.on_step = [every, total, step_ms_total](const actors::step_report& r) {
+    *step_ms_total += r.step_ms;
+    if (r.first_member)
+      print_progress(r, every, total);
+  };
+  if (shadow.resume)
+    opts.load = loader_of(*shadow.resume);
+  // The trainer runs in its own (detached) actor; this thread waits for it.
+  caf::actor_system_config sys_cfg;
+  tune_actor_system(sys_cfg, 1);
+  caf::actor_system sys{sys_cfg};
+  // The actor mesh: the transport's detector runs, and its peers follow the
+  // membership (the supervisor dials them). No actor publishes on it yet.
+  mesh actor_mesh(sys, *j.net);
+  if (auto e = j.net->start())
+    return report_failure_late(e);
+  commit_sinks sinks;
+  auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
+  auto fut = done->get_future();
+  spawn_blocking(sys, [&, done, opts, data = *data](caf::blocking_actor*) mutable {
+    const auto& d = opts.config.train.device;
+    const auto where = d == "cuda"       ? model::compute_device::cuda
+                       : d == "emulated" ? model::compute_device::emulated
+                                         : model::compute_device::cpu;
+    auto net = model::make_moe_lm_on(opts.config.model, where, rank);
+    if (!net) {
+      done->set_value(net.error());
+      return;
+    }
+    opts.listener = sinks.make(sys, j, config, shadow, **net, replicas);
+    actors::trainer t(opts, std::move(*net), data, sup, rank);
+    done->set_value(t.run());
+  });
+  auto waited = wait_trainer(sup, fut, rank, timeout);
+  if (auto* ended = std::get_if<std::optional<int>>(&waited); ended && *ended)
+    return **ended;
+  auto result = std::get<0>(std::move(waited));
+  if (!result) {
+    sup.stop();
+    report_failure_late(result.error());
+    if (code_of(result.error()) == errc::fenced)
+      return exit_fenced;
+    return result.error();
+  }
+  ::alarm(0); // a stop's deadline (run_worker) is for a rank that never trained
+  sinks.drain(rank, shadow, result->steps, timeout);
+  if (result->stopped && rank == 0)
+    fmt::print("cmesh: stopped after step {} on request{}\n", result->steps,
+               shadow.durable.writes() ? "; --resume latest goes on from there" : "");
+  sup.finished(result->steps,
+               {rank, "done",
+                fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x}",
+                            result->steps, result->final_loss, result->tokens_per_s,
+                            result->seconds, result->weights_xxh64),
+                mono_ns()});
+  print_stats(rank, *step_ms_total, result->verify_ms, j.net->stats());
+  sinks.print(rank, *result);
+  return await_shutdown(sup, timeout);
 }
 
 } // namespace cmesh::cli

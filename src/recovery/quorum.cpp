@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 namespace cmesh::recovery {
@@ -67,53 +68,56 @@ std::string groups(size_t n) {
   return std::to_string(n) + (n == 1 ? " group" : " groups");
 }
 
-} // namespace
-
-quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const quorum_options& o) {
-  CMESH_CHECK(!validate(o));
-  const auto& cur = state.current;
-  for (size_t i = 1; i < cur.members.size(); ++i)
-    CMESH_CHECK_LT(cur.members[i - 1].group, cur.members[i].group);
-
-  // The newest incarnation the coordinator hears from, per group.
+/// The newest incarnation the coordinator hears from, per group. Same
+/// incarnation twice: the later heartbeat wins (then the earlier join), so
+/// the input order never matters.
+std::map<group_id, const participant*> newest_of(const std::vector<participant>& ps) {
   std::map<group_id, const participant*> newest;
-  for (const auto& p : state.participants) {
+  for (const auto& p : ps) {
     auto [it, fresh] = newest.emplace(p.who.group, &p);
     if (fresh)
       continue;
     const participant* q = it->second;
-    // Same incarnation twice: the later heartbeat wins (then the earlier
-    // join), so the input order never matters.
     if (p.who.incarnation > q->who.incarnation ||
         (p.who.incarnation == q->who.incarnation &&
          (p.last_heartbeat_ms > q->last_heartbeat_ms ||
           (p.last_heartbeat_ms == q->last_heartbeat_ms && p.joined_ms < q->joined_ms))))
       it->second = &p;
   }
-  auto live = [&](const participant& p) {
-    return !heartbeat_expired(p.last_heartbeat_ms, now_ms, o.heartbeat_timeout_ms);
-  };
+  return newest;
+}
 
+/// The participants against the current epoch (the header's
+/// classification).
+struct classified {
   std::vector<member> survivors;
   std::vector<const participant*> broken; // survivors that reported the epoch broken
   std::vector<lost_member> lost;
-  std::vector<const participant*> joiners; // sorted by group (map order)
-  std::set<group_id> member_groups;
+  std::vector<const participant*> joiners; // sorted by group
+  std::vector<member> joiner_ids, lost_ids;
+};
+
+classified classify(const quorum_state& state, int64_t now_ms, const quorum_options& o) {
+  const auto& cur = state.current;
+  const auto newest = newest_of(state.participants);
+  auto live = [&](const participant& p) {
+    return !heartbeat_expired(p.last_heartbeat_ms, now_ms, o.heartbeat_timeout_ms);
+  };
+  classified c;
   for (const auto& m : cur.members) {
-    member_groups.insert(m.group);
     auto it = newest.find(m.group);
     const participant* p = it == newest.end() ? nullptr : it->second;
     if (p == nullptr || p->who.incarnation < m.incarnation) {
-      lost.push_back({m, "not reported"});
+      c.lost.push_back({m, "not reported"});
     } else if (p->who.incarnation > m.incarnation) {
-      lost.push_back({m, "superseded by " + to_string(p->who)});
+      c.lost.push_back({m, "superseded by " + to_string(p->who)});
     } else if (!live(*p)) {
-      lost.push_back(
+      c.lost.push_back(
         {m, p->lost_reason.empty() ? "silent since " + t(p->last_heartbeat_ms) : p->lost_reason});
     } else {
-      survivors.push_back(m);
+      c.survivors.push_back(m);
       if (p->broken_since_ms != 0)
-        broken.push_back(p);
+        c.broken.push_back(p);
     }
   }
   for (const auto& [g, p] : newest) {
@@ -123,43 +127,57 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
                               [](const member& x, group_id y) { return x.group < y; });
     const bool is_member_group = m != cur.members.end() && m->group == g;
     if (!is_member_group || p->who.incarnation > m->incarnation)
-      joiners.push_back(p);
+      c.joiners.push_back(p);
   }
+  for (const auto* p : c.joiners)
+    c.joiner_ids.push_back(p->who);
+  for (const auto& l : c.lost)
+    c.lost_ids.push_back(l.who);
+  return c;
+}
 
-  std::vector<member> joiner_ids;
-  for (const auto* p : joiners)
-    joiner_ids.push_back(p->who);
-  std::vector<member> lost_ids;
-  for (const auto& l : lost)
-    lost_ids.push_back(l.who);
-
-  // A broken epoch: due once the earliest report is broken_grace_ms old.
+/// Builds the decision: what every rule ends with.
+struct decider {
+  const quorum_state& state;
+  const int64_t now_ms;
+  const quorum_options& o;
+  const classified& c;
+  quorum_decision d;
+  /// A broken epoch: due once the earliest report is broken_grace_ms old.
   std::optional<int64_t> broken_due_ms;
   std::string broken_text;
-  for (const auto* p : broken) {
-    const int64_t due = p->broken_since_ms + o.broken_grace_ms;
-    broken_due_ms = broken_due_ms ? std::min(*broken_due_ms, due) : due;
-    broken_text += (broken_text.empty() ? "" : ", ") + to_string(p->who) + " ("
-                   + (p->broken_reason.empty() ? "no reason given" : p->broken_reason) + ")";
-  }
-  if (!broken.empty())
-    broken_text = "epoch " + std::to_string(cur.id) + " broke at " + broken_text;
-  const bool broken_due = broken_due_ms && now_ms >= *broken_due_ms;
+  bool broken_due = false;
 
-  quorum_decision d;
-  d.epoch = cur;
-  auto finish = [&](decision_kind kind, std::string reason) {
+  decider(const quorum_state& s, int64_t now, const quorum_options& opts, const classified& cl)
+      : state(s), now_ms(now), o(opts), c(cl) {
+    d.epoch = s.current;
+    for (const auto* p : c.broken) {
+      const int64_t due = p->broken_since_ms + o.broken_grace_ms;
+      broken_due_ms = broken_due_ms ? std::min(*broken_due_ms, due) : due;
+      broken_text += (broken_text.empty() ? "" : ", ") + to_string(p->who) + " ("
+                     + (p->broken_reason.empty() ? "no reason given" : p->broken_reason) + ")";
+    }
+    if (!c.broken.empty())
+      broken_text = "epoch " + std::to_string(s.current.id) + " broke at " + broken_text;
+    broken_due = broken_due_ms && now_ms >= *broken_due_ms;
+  }
+
+  std::string lost_text() const { return c.lost.empty() ? "" : "; lost " + describe(c.lost); }
+
+  quorum_decision finish(decision_kind kind, std::string reason) {
     d.kind = kind;
     d.reason = std::move(reason);
     if (kind == decision_kind::wait || kind == decision_kind::fail)
-      d.left = lost_ids;
+      d.left = c.lost_ids;
     return d;
-  };
-  auto form = [&](std::vector<member> members, std::string why) {
+  }
+
+  quorum_decision form(std::vector<member> members, const std::string& why) {
+    const auto& cur = state.current;
     std::sort(members.begin(), members.end());
     d.epoch = {cur.id + 1, std::move(members)};
     d.changed = true;
-    d.abort_running = !broken.empty();
+    d.abort_running = !c.broken.empty();
     for (const auto& m : d.epoch.members)
       if (!std::binary_search(cur.members.begin(), cur.members.end(), m))
         d.joined.push_back(m);
@@ -169,26 +187,25 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
     std::string reason = "epoch " + std::to_string(d.epoch.id) + " " + to_string(d.epoch.members);
     if (cur.id > 0)
       reason += " replaces epoch " + std::to_string(cur.id);
-    if (!lost.empty())
-      reason += "; lost " + describe(lost);
+    reason += lost_text();
     if (!d.joined.empty())
       reason += "; joined " + to_string(d.joined);
     if (!why.empty())
       reason += "; " + why;
     return finish(decision_kind::new_epoch, std::move(reason));
-  };
-  const std::string lost_text = lost.empty() ? "" : "; lost " + describe(lost);
-  // Where the epoch would be kept: re-formed instead once a report of it
-  // broken is due (or, after max_reforms in a row, given up on).
-  auto keep_or_reform = [&](std::string keep_reason, const std::string& window) {
+  }
+
+  /// Where the epoch would be kept: re-formed instead once a report of it
+  /// broken is due (or, after max_reforms in a row, given up on).
+  quorum_decision keep_or_reform(std::string keep_reason, const std::string& window) {
     if (broken_due) {
       if (state.reforms_in_a_row >= o.max_reforms)
         return finish(decision_kind::fail,
                       broken_text + "; re-formed " + std::to_string(state.reforms_in_a_row)
-                          + " times in a row with no step committed; restart from checkpoint "
-                            "needed");
+                        + " times in a row with no step committed; restart from checkpoint "
+                          "needed");
       d.reform = true;
-      return form(survivors, broken_text + " while every member lives: re-formed"
+      return form(c.survivors, broken_text + " while every member lives: re-formed"
                                  + (window.empty() ? "" : "; " + window));
     }
     if (broken_due_ms) {
@@ -197,19 +214,63 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
                      + " unless a death explains it";
     }
     return finish(decision_kind::keep, std::move(keep_reason));
-  };
-
-  // 1. The fast path.
-  if (lost.empty() && joiners.empty()) {
-    if (cur.members.empty())
-      return finish(decision_kind::wait, "no epoch yet and no live replica group registered");
-    return keep_or_reform("epoch " + std::to_string(cur.id) + ": all "
-                            + groups(cur.members.size()) + " live, nobody joining",
-                          "");
   }
 
-  std::vector<member> all = survivors;
-  all.insert(all.end(), joiner_ids.begin(), joiner_ids.end());
+  /// Rule 5: while the join window is open, the decision (none once it
+  /// closed, or every expected group is live).
+  std::optional<quorum_decision> join_window(const std::vector<member>& all, size_t known) {
+    int64_t first_join = c.joiners.front()->joined_ms;
+    for (const auto* p : c.joiners)
+      first_join = std::min(first_join, p->joined_ms);
+    const int64_t closes = first_join + o.join_window_ms;
+    const bool everyone = state.expected_groups > 0 && all.size() >= state.expected_groups;
+    if (now_ms >= closes || everyone)
+      return std::nullopt;
+    // After a loss, the survivors alone may be too few, or no majority,
+    // though with the joiners (ready: caught up) they are enough (steps 3
+    // and 4). They stand still until an epoch forms, so it forms now,
+    // joiners included, rather than at the window's close: the window
+    // batches joins while an epoch trains on, and a joiner ready a moment
+    // later grows the new epoch at a step boundary, stalling nobody.
+    const bool survivors_enough =
+      c.survivors.size() >= o.min_replicas && 2 * c.survivors.size() > known;
+    if (!c.lost.empty() && !survivors_enough)
+      return form(all, "joining " + to_string(c.joiner_ids) + " admitted at once: the "
+                         + std::to_string(c.survivors.size()) + " surviving of "
+                         + groups(known) + " heard from are no quorum alone");
+    d.pending = c.joiner_ids;
+    d.retry_at_ms = closes;
+    const std::string window =
+      "joining " + to_string(c.joiner_ids) + " wait for the join window until " + t(closes);
+    if (!c.lost.empty())
+      return form(c.survivors, window);
+    if (state.current.members.empty())
+      return finish(decision_kind::wait, "no epoch yet: " + window);
+    return keep_or_reform("epoch " + std::to_string(state.current.id) + " kept: " + window,
+                          window);
+  }
+};
+
+} // namespace
+
+quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const quorum_options& o) {
+  CMESH_CHECK(!validate(o));
+  const auto& cur = state.current;
+  for (size_t i = 1; i < cur.members.size(); ++i)
+    CMESH_CHECK_LT(cur.members[i - 1].group, cur.members[i].group);
+  const auto c = classify(state, now_ms, o);
+  decider k(state, now_ms, o, c);
+
+  // 1. The fast path.
+  if (c.lost.empty() && c.joiners.empty()) {
+    if (cur.members.empty())
+      return k.finish(decision_kind::wait, "no epoch yet and no live replica group registered");
+    return k.keep_or_reform("epoch " + std::to_string(cur.id) + ": all "
+                              + groups(cur.members.size()) + " live, nobody joining",
+                            "");
+  }
+  std::vector<member> all = c.survivors;
+  all.insert(all.end(), c.joiner_ids.begin(), c.joiner_ids.end());
   std::sort(all.begin(), all.end());
   // The majority is over the groups heard from: the live ones and those
   // still catching up (before the first epoch: at least the job's count).
@@ -219,64 +280,32 @@ quorum_decision compute_quorum(const quorum_state& state, int64_t now_ms, const 
 
   // 2. Everybody dead.
   if (all.empty())
-    return finish(decision_kind::fail, "every replica group of epoch " + std::to_string(cur.id) +
-                                           " is dead: " + describe(lost) +
-                                           "; restart from checkpoint needed");
-
+    return k.finish(decision_kind::fail, "every replica group of epoch " + std::to_string(cur.id)
+                                           + " is dead: " + describe(c.lost)
+                                           + "; restart from checkpoint needed");
   // 3. Too few groups.
   if (all.size() < o.min_replicas) {
-    const std::string have = std::to_string(all.size()) + " live " +
-                             (all.size() == 1 ? "group " : "groups ") + to_string(all) +
-                             ", min_replicas " + std::to_string(o.min_replicas);
-    if (joiners.empty())
-      return finish(decision_kind::fail, "only " + have + " and none joining" + lost_text +
-                                             "; restart from checkpoint needed");
-    return finish(decision_kind::wait, have + ", joining " + to_string(joiner_ids) +
-                                           lost_text + "; waiting for more groups");
+    const std::string have = std::to_string(all.size()) + " live "
+                             + (all.size() == 1 ? "group " : "groups ") + to_string(all)
+                             + ", min_replicas " + std::to_string(o.min_replicas);
+    if (c.joiners.empty())
+      return k.finish(decision_kind::fail, "only " + have + " and none joining" + k.lost_text()
+                                             + "; restart from checkpoint needed");
+    return k.finish(decision_kind::wait, have + ", joining " + to_string(c.joiner_ids)
+                                           + k.lost_text() + "; waiting for more groups");
   }
-
   // 4. No majority.
   if (2 * all.size() <= known)
-    return finish(decision_kind::wait,
-                  "no majority: " + std::to_string(all.size()) + " of " + groups(known) +
-                      " live " + to_string(all) + lost_text +
-                      "; waiting (a minority must not go on alone)");
-
+    return k.finish(decision_kind::wait,
+                    "no majority: " + std::to_string(all.size()) + " of " + groups(known)
+                      + " live " + to_string(all) + k.lost_text()
+                      + "; waiting (a minority must not go on alone)");
   // 5. The join window.
-  if (!joiners.empty()) {
-    int64_t first_join = joiners.front()->joined_ms;
-    for (const auto* p : joiners)
-      first_join = std::min(first_join, p->joined_ms);
-    const int64_t closes = first_join + o.join_window_ms;
-    const bool everyone = state.expected_groups > 0 && all.size() >= state.expected_groups;
-    if (now_ms < closes && !everyone) {
-      // After a loss, the survivors alone may be too few, or no majority,
-      // though with the joiners (ready: caught up) they are enough (steps 3
-      // and 4). They stand still until an epoch forms, so it forms now,
-      // joiners included, rather than at the window's close: the window
-      // batches joins while an epoch trains on, and a joiner ready a moment
-      // later grows the new epoch at a step boundary, stalling nobody.
-      const bool survivors_enough =
-        survivors.size() >= o.min_replicas && 2 * survivors.size() > known;
-      if (!lost.empty() && !survivors_enough)
-        return form(all, "joining " + to_string(joiner_ids) + " admitted at once: the " +
-                           std::to_string(survivors.size()) + " surviving of " + groups(known) +
-                           " heard from are no quorum alone");
-      d.pending = joiner_ids;
-      d.retry_at_ms = closes;
-      const std::string window = "joining " + to_string(joiner_ids) +
-                                 " wait for the join window until " + t(closes);
-      if (lost.empty()) {
-        if (cur.members.empty())
-          return finish(decision_kind::wait, "no epoch yet: " + window);
-        return keep_or_reform("epoch " + std::to_string(cur.id) + " kept: " + window, window);
-      }
-      return form(survivors, window);
-    }
-  }
-
+  if (!c.joiners.empty())
+    if (auto w = k.join_window(all, known))
+      return *w;
   // 6. A new epoch of every live group.
-  return form(all, "");
+  return k.form(all, "");
 }
 
 } // namespace cmesh::recovery

@@ -70,7 +70,14 @@ std::vector<uint32_t> silent_members(const roster& r, const member_ranks& member
 }
 
 stall_verdict stall_credit(const roster& r, const member_ranks& members, int64_t now_ms,
-                           int64_t timeout_ms, int64_t all_silent_since_ms, int64_t patience_ms) {
+                           int64_t timeout_ms, int64_t all_silent_since_ms, int64_t patience_ms,
+                           int64_t last_tick_ms) {
+  if (last_tick_ms != 0 && 2 * (now_ms - last_tick_ms) > timeout_ms) {
+    stall_verdict v;
+    v.credit = now_ms; // nobody's beacons were read meanwhile
+    v.gap = true;
+    return v;
+  }
   std::vector<int64_t> beacons;
   for (auto& [rank, inc] : members) {
     const auto* w = find(r, rank);

@@ -22,7 +22,10 @@
 // are credited (no death this tick) for up to `patience_ms` from when the
 // silence of all began; when one of them is heard again, each gets one
 // more timeout from now, since the others' beacons may still wait unread
-// behind the first one's.
+// behind the first one's. And when the coordinator's own ticks stopped for
+// more than half a timeout (its process stopped, or starved), it could
+// not have read anyone's beacons meanwhile: each gets one more timeout
+// from now, whoever was read first after the gap.
 //
 // Group aggregation (group_participants). One participant of the quorum
 // per replica group, from its S ranks:
@@ -121,11 +124,15 @@ struct stall_verdict {
   int64_t all_silent_since_ms = 0;
   /// The silence of all began at this tick (say so, once).
   bool began = false;
+  /// The ticks stopped for longer than half a timeout before this one.
+  bool gap = false;
 };
 
-/// The observer's stall rule above, for the attached members of `members`.
+/// The observer's stall rules above, for the attached members of
+/// `members`. `last_tick_ms`: the coordinator's previous tick (0: none).
 stall_verdict stall_credit(const roster& r, const member_ranks& members, int64_t now_ms,
-                           int64_t timeout_ms, int64_t all_silent_since_ms, int64_t patience_ms);
+                           int64_t timeout_ms, int64_t all_silent_since_ms, int64_t patience_ms,
+                           int64_t last_tick_ms = 0);
 
 struct group_options {
   uint32_t ranks_per_group = 1;

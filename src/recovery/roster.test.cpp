@@ -95,6 +95,25 @@ TEST_CASE("roster: every member silent at once is credited, and the end of it re
   CHECK_FALSE(v.credit);
 }
 
+TEST_CASE("roster: a gap in the coordinator's own ticks credits every member from now") {
+  two_by_two t;
+  // Stopped for three timeouts; one beacon read already since it resumed:
+  // the others' wait unread, so each gets one more timeout.
+  for (auto& [rank, w] : t.r)
+    w.last_heartbeat_ms = now - 3 * timeout;
+  t.r[2].last_heartbeat_ms = now;
+  auto v = stall_credit(t.r, t.m, now, timeout, 0, 10 * timeout, now - 3 * timeout);
+  REQUIRE(v.credit);
+  CHECK(*v.credit == now);
+  CHECK(v.gap);
+  CHECK(v.all_silent_since_ms == 0);
+  // Ticks at their pace (under half a timeout apart): the silence rules.
+  v = stall_credit(t.r, t.m, now, timeout, 0, 10 * timeout, now - timeout / 2);
+  CHECK_FALSE(v.credit);
+  CHECK_FALSE(v.gap);
+  CHECK(silent_members(t.r, t.m, now, timeout) == std::vector<uint32_t>{0, 1, 3});
+}
+
 TEST_CASE("roster: a group of members is one participant with its oldest beacon") {
   two_by_two t;
   t.r[1].last_heartbeat_ms = now - 700;
