@@ -759,8 +759,10 @@ caf::error transport::impl::arm(peer_state& p, const wire::peer_entry& e, bool s
     return addrs.error();
   p.data_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, e.incarnation}));
   if (auto err = create_endpoint(data, &p.data, *p.data_refs.back(), addrs->first,
-                                 UCP_ERR_HANDLING_MODE_NONE))
+                                 UCP_ERR_HANDLING_MODE_NONE)) {
+    p.data = nullptr; // the older incarnation stays as it was: fenced, or never connected
     return err;
+  }
   p.next_bulk_seq = 0;
   p.incarnation = e.incarnation;
   p.generation = generation_of(e.incarnation);
@@ -808,6 +810,7 @@ void transport::impl::make_ctrl_endpoints() {
     p->ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{p.get(), want->second}));
     if (auto err = create_endpoint(ctrl, &p->ctrl, *p->ctrl_refs.back(), want->first,
                                    UCP_ERR_HANDLING_MODE_PEER)) {
+      p->ctrl = nullptr;
       defer_failure(p->rank, err, want->second);
       continue;
     }
