@@ -24,9 +24,10 @@ struct join_options {
   int64_t register_timeout_ms = 60000;  // for every rank to register (CMESH_REGISTER_TIMEOUT_MS)
   uint64_t incarnation = 0;             // 0: the wall clock in ns (grows across restarts)
   transport_options transport;
-  /// Connect the transport's endpoints to the peer table. The training job
-  /// does not: its data plane is the collectives' own per-epoch endpoints,
-  /// and a restarted rank must not dial the dead addresses of the table.
+  /// Connect the transport's endpoints to the whole peer table. The
+  /// training job does not: a restarted rank must not dial the dead
+  /// addresses in the table, so its supervisor dials each epoch's members
+  /// as they come (transport::connect_peer, entries_to_dial).
   bool connect_transport = true;
   /// The job configuration this worker runs (model::canonical_config),
   /// sent with its registration (and every registration again after a
