@@ -171,14 +171,19 @@ TEST_CASE("SIGKILL a rank: the survivors go on, the restarted rank catches up an
   CHECK(find_event(ev, grow, "catchup_end", [](auto& e) { return e.num("rank") == 1; }) >= 0);
   // The actor mesh followed the membership: each survivor dialled the other
   // two members, lost rank 1's first incarnation and dialled its second; the
-  // restarted rank dialled the two survivors.
-  auto mesh_of = [&](int rank) {
-    return captures(j.r.output, "rank " + std::to_string(rank)
-                                  + " stats .* mesh_connected=([0-9]+ mesh_lost=[0-9]+)");
+  // restarted rank dialled the two survivors. (A slow run, under the
+  // sanitizers, may also see a live peer silent past the heartbeat bound:
+  // more losses, never fewer connections.)
+  auto mesh_of = [&](int rank, const char* field) {
+    auto v = captures(j.r.output, "rank " + std::to_string(rank) + " stats .* " + field
+                                    + "=([0-9]+)");
+    return v.size() == 1 ? std::stoll(v[0]) : -1;
   };
-  CHECK(mesh_of(0) == std::vector<std::string>{"3 mesh_lost=1"});
-  CHECK(mesh_of(2) == std::vector<std::string>{"3 mesh_lost=1"});
-  CHECK(mesh_of(1) == std::vector<std::string>{"2 mesh_lost=0"});
+  CHECK(mesh_of(0, "mesh_connected") == 3);
+  CHECK(mesh_of(2, "mesh_connected") == 3);
+  CHECK(mesh_of(1, "mesh_connected") == 2);
+  CHECK(mesh_of(0, "mesh_lost") >= 1);
+  CHECK(mesh_of(2, "mesh_lost") >= 1);
   // Exactly once: the final weights of all three equal the run without kills.
   check_identical(j, 3);
   check_summary(j);

@@ -359,8 +359,6 @@ struct transport::impl {
   uint64_t incarnation = 0; // this process's
   uint32_t generation = 0;  // and its tag generation
   transport_options opts;
-  lane data;
-  lane ctrl;
   std::vector<std::unique_ptr<peer_state>> peers; // the table is fixed once started; each
                                                   // entry follows its rank's incarnations
   frame_handler on_frame;
@@ -390,6 +388,13 @@ struct transport::impl {
   std::atomic<int> ctrl_connects_pending{0};
 
   uint64_t heartbeat_seq = 0;
+
+  // Declared last, so destroyed first: destroying a UCP worker purges the
+  // requests still pending on it, and their callbacks count down in the
+  // peers' state (a heap-use-after-free at exit under AddressSanitizer
+  // when the peers went first).
+  lane data;
+  lane ctrl;
 
   struct {
     std::atomic<uint64_t> frames_sent{0}, frames_received{0}, bulk_sent{0}, bulk_received{0},
