@@ -90,8 +90,7 @@ struct epoch_manager::impl {
   }
 
   bool is_member(uint32_t rank, uint64_t inc) const {
-    auto it = member_ranks.find(rank);
-    return it != member_ranks.end() && it->second == inc;
+    return recovery::is_member(member_ranks, rank, inc);
   }
 
   /// Makes `e` current; its groups' ranks with their present incarnations.
@@ -495,7 +494,8 @@ void epoch_manager::impl::apply(recovery::quorum_decision d, int64_t now) {
 /// together (recovery::stall_credit).
 void epoch_manager::impl::credit_stall(int64_t now) {
   const int64_t timeout = o.quorum.heartbeat_timeout_ms;
-  auto v = recovery::stall_credit(roster(), member_ranks, now, timeout, all_silent_since_ms,
+  const auto r = roster();
+  auto v = recovery::stall_credit(r, member_ranks, now, timeout, all_silent_since_ms,
                                   10 * timeout, last_tick_ms);
   if (v.gap) {
     say(fmt::format("this process was held up for {} ms (no decision ran): every member gets "
@@ -513,7 +513,6 @@ void epoch_manager::impl::credit_stall(int64_t now) {
   }
   if (!v.credit)
     return;
-  auto r = roster();
   for (auto& [rank, inc] : member_ranks)
     if (recovery::attached_member(r, member_ranks, rank))
       workers[rank].last_heartbeat_ms = std::max(workers[rank].last_heartbeat_ms, *v.credit);

@@ -122,6 +122,28 @@ expected<std::unique_ptr<actors::epoch_manager>> make_epoch_manager(coordinator&
   return manager;
 }
 
+/// Starts `coord`, with the epoch manager of a training job (into
+/// `manager`) hooked in before it listens, so that it hears every
+/// registration (workers that outlived a coordinator reconnect at once).
+/// 0, or the exit code of what failed (its line said): 2 bad flags, 3 the
+/// port.
+int start_coordinator(coordinator& coord, const job_options& job, uint64_t target_step,
+                      std::unique_ptr<actors::epoch_manager>& manager) {
+  if (job.job == "train") {
+    auto made = make_epoch_manager(coord, job, target_step);
+    if (!made) {
+      fail_line(describe(made.error()));
+      return 2;
+    }
+    manager = std::move(*made);
+  }
+  if (auto e = coord.start()) {
+    fail_line(describe(e));
+    return 3;
+  }
+  return 0;
+}
+
 /// Waits for the end of a supervised training job: every member of the
 /// current epoch that is training reported "done" (a joiner still catching
 /// up when the others finish is left behind), or the epoch manager found that
@@ -226,22 +248,9 @@ int run_coordinator(const std::string& bind, uint16_t port, const job_options& j
     target = cfg->train.steps;
   }
   coordinator coord(co);
-  // The epoch manager hears every registration: it is hooked in before the
-  // coordinator listens (workers that outlived a coordinator reconnect at
-  // once).
   std::unique_ptr<actors::epoch_manager> manager;
-  if (job.job == "train") {
-    auto s = make_epoch_manager(coord, job, target);
-    if (!s) {
-      fail_line(describe(s.error()));
-      return 2;
-    }
-    manager = std::move(*s);
-  }
-  if (auto e = coord.start()) {
-    fail_line(describe(e));
-    return 3;
-  }
+  if (int rc = start_coordinator(coord, job, target, manager))
+    return rc;
   fmt::print("cmesh: coordinator listening on {}:{} for {} workers\n", bind, coord.port(),
              job.world_size);
   std::fflush(stdout);
@@ -912,18 +921,8 @@ job_outcome await_launched_training(coordinator& coord, const job_options& job,
 int launch_attempt(const job_options& job, launch_setup& ls, bool may_resume, bool& resumable) {
   coordinator coord(ls.co);
   std::unique_ptr<actors::epoch_manager> manager;
-  if (job.job == "train") {
-    auto made = make_epoch_manager(coord, job, ls.target);
-    if (!made) {
-      fail_line(describe(made.error()));
-      return 2;
-    }
-    manager = std::move(*made);
-  }
-  if (auto e = coord.start()) {
-    fail_line(describe(e));
-    return 3;
-  }
+  if (int rc = start_coordinator(coord, job, ls.target, manager))
+    return rc;
   auto address = fmt::format("127.0.0.1:{}", coord.port());
   announce_attempt(job, ls, address, manager.get());
   launched_workers w(job, ls, self_exe_dir() + "/cmesh", address, manager.get());

@@ -41,16 +41,16 @@ const rank_report* find(const roster& r, uint32_t rank) {
   return it == r.end() ? nullptr : &it->second;
 }
 
-bool is_member(const member_ranks& members, uint32_t rank, incarnation_id inc) {
-  auto it = members.find(rank);
-  return it != members.end() && it->second == inc;
-}
-
 bool attached(const rank_report& w, incarnation_id inc) {
   return w.incarnation == inc && w.connected && !w.lost;
 }
 
 } // namespace
+
+bool is_member(const member_ranks& members, uint32_t rank, incarnation_id inc) {
+  auto it = members.find(rank);
+  return it != members.end() && it->second == inc;
+}
 
 bool attached_member(const roster& r, const member_ranks& members, uint32_t rank) {
   auto m = members.find(rank);

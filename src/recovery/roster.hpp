@@ -106,6 +106,9 @@ std::vector<uint32_t> ranks_of_members(const std::vector<member>& members, uint3
 /// `ranks` with their incarnations in `r` (0 for a rank never registered).
 member_ranks incarnations_of(const std::vector<uint32_t>& ranks, const roster& r);
 
+/// True when `rank` is a member at incarnation `inc`.
+bool is_member(const member_ranks& members, uint32_t rank, incarnation_id inc);
+
 /// True when `rank` runs, as far as is known, the incarnation it had in the
 /// epoch, with its connection open and not found dead (its silence is not
 /// looked at).

@@ -317,6 +317,12 @@ struct peer_state {
   void heard(int64_t now) { last_heard_ns.store(now, std::memory_order_relaxed); }
 };
 
+/// Whether `incarnation` is one to connect `p` at: the first, or a newer
+/// one (the same again, or an older one, fenced for good, is not).
+bool supersedes(const peer_state& p, uint64_t incarnation) {
+  return !p.connected || incarnation > p.incarnation;
+}
+
 /// Peer table address: u32 length of the data worker's address, that
 /// address, then the control worker's address.
 wire::bytes pack_addresses(const std::string& data, const std::string& ctrl) {
@@ -411,6 +417,9 @@ struct transport::impl {
   caf::error arm(peer_state& p, const wire::peer_entry& e, bool started);
   /// The control lane makes the control endpoints handed over to it.
   void make_ctrl_endpoints();
+  /// `p`'s control endpoint for `incarnation` at `addr`, replacing an
+  /// older one: on the control lane's thread, or before start.
+  caf::error make_ctrl_endpoint(peer_state& p, const wire::bytes& addr, uint64_t incarnation);
 
   void defer_failure(uint32_t rank, caf::error reason, uint64_t incarnation = 0) {
     {
@@ -578,8 +587,7 @@ caf::error transport::connect_peer(const wire::peer_entry& e) {
   {
     std::lock_guard<std::mutex> g(impl_->start_mtx);
     if (!impl_->running)
-      return p->connected && e.incarnation <= p->incarnation ? caf::error{}
-                                                            : impl_->arm(*p, e, false);
+      return supersedes(*p, e.incarnation) ? impl_->arm(*p, e, false) : caf::error{};
   }
   {
     std::lock_guard<std::mutex> g(impl_->queue_mtx);
@@ -762,6 +770,7 @@ caf::error transport::impl::arm(peer_state& p, const wire::peer_entry& e, bool s
   auto addrs = unpack_addresses(e.ucx_address);
   if (!addrs)
     return addrs.error();
+  data.close_endpoint(p.data); // an older incarnation's, if any (fail() closed a live one's)
   p.data_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, e.incarnation}));
   if (auto err = create_endpoint(data, &p.data, *p.data_refs.back(), addrs->first,
                                  UCP_ERR_HANDLING_MODE_NONE)) {
@@ -786,12 +795,8 @@ caf::error transport::impl::arm(peer_state& p, const wire::peer_entry& e, bool s
     }
     ++ctrl_connects_pending;
     ctrl.wake_if_sleeping();
-  } else {
-    p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, e.incarnation}));
-    if (auto err = create_endpoint(ctrl, &p.ctrl, *p.ctrl_refs.back(), addrs->second,
-                                   UCP_ERR_HANDLING_MODE_PEER))
-      return err;
-    p.ctrl_incarnation = e.incarnation;
+  } else if (auto err = make_ctrl_endpoint(p, addrs->second, e.incarnation)) {
+    return err;
   }
   p.connected = true;
   p.alive = true;
@@ -811,16 +816,22 @@ void transport::impl::make_ctrl_endpoints() {
     }
     if (!want)
       continue;
-    ctrl.close_endpoint(p->ctrl);
-    p->ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{p.get(), want->second}));
-    if (auto err = create_endpoint(ctrl, &p->ctrl, *p->ctrl_refs.back(), want->first,
-                                   UCP_ERR_HANDLING_MODE_PEER)) {
-      p->ctrl = nullptr;
+    if (auto err = make_ctrl_endpoint(*p, want->first, want->second))
       defer_failure(p->rank, err, want->second);
-      continue;
-    }
-    p->ctrl_incarnation = want->second;
   }
+}
+
+caf::error transport::impl::make_ctrl_endpoint(peer_state& p, const wire::bytes& addr,
+                                               uint64_t incarnation) {
+  ctrl.close_endpoint(p.ctrl);
+  p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, incarnation}));
+  if (auto err = create_endpoint(ctrl, &p.ctrl, *p.ctrl_refs.back(), addr,
+                                 UCP_ERR_HANDLING_MODE_PEER)) {
+    p.ctrl = nullptr;
+    return err;
+  }
+  p.ctrl_incarnation = incarnation;
+  return {};
 }
 
 /// Connections asked for after start (connect_peer), on the data lane.
@@ -833,7 +844,7 @@ void transport::impl::apply_connects() {
   }
   for (auto& e : entries) {
     auto* p = peer(e.rank);
-    if (p == nullptr || (p->connected && e.incarnation <= p->incarnation.load()))
+    if (p == nullptr || !supersedes(*p, e.incarnation))
       continue; // the same incarnation again, or an older one: fenced for good
     if (p->alive)
       fail(e.rank,
@@ -841,7 +852,6 @@ void transport::impl::apply_connects() {
                                          + std::to_string(p->incarnation.load())
                                          + " superseded by incarnation "
                                          + std::to_string(e.incarnation)));
-    data.close_endpoint(p->data);
     if (auto err = arm(*p, e, true)) {
       spdlog::warn("rank {}: cannot connect rank {} incarnation {}: {}", self, e.rank,
                    e.incarnation, describe(err));
