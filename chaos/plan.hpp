@@ -16,6 +16,9 @@
 //   flip@S:R           SIGRTMIN to rank R at step S: its trainer flips one bit
 //                      of its weights at its next step boundary (silent data
 //                      corruption), for replica verification to catch
+//   crash@S:R          SIGRTMIN+1 to rank R at step S: its trainer actor dies
+//                      with an error at its next step boundary (a bug that
+//                      throws), for the worker's supervisor actor to catch
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
@@ -50,13 +53,14 @@ enum class action_kind : uint8_t {
   flip,
   kill_all,
   corrupt,
-  kill_checkpointer
+  kill_checkpointer,
+  crash
 };
 
 struct action {
   action_kind kind = action_kind::kill;
   uint64_t at_step = 0;
-  uint32_t rank = 0;   // kill, stop, hang, fault, flip
+  uint32_t rank = 0;   // kill, stop, hang, fault, flip, crash
   int64_t stop_ms = 0; // stop
   /// Kill, stop and hang: skipped when its target's group is the last live
   /// one (the random ones are; a written plan means what it says).

@@ -526,6 +526,26 @@ TEST_CASE("a hung computation: the step watchdog ends the rank, the others go on
   check_identical(j, 3);
 }
 
+TEST_CASE("a trainer actor that dies with an error: its supervisor actor reports the rank, "
+          "the others go on") {
+  // SIGRTMIN+1 makes rank 1's trainer actor throw at its next step
+  // boundary; the supervisor actor that monitors it reports the rank failed
+  // and ends the process, which the launcher restarts.
+  auto j = launch("-n 3 --restart-delay-ms 100 --chaos crash@5:1");
+  INFO(j.r.output);
+  REQUIRE(j.r.exit_code == 0);
+  CHECK(j.r.output.find("the trainer actor of rank 1 died: crashed: injected crash at step")
+        != std::string::npos);
+  int exit = find_event(j.events, 0, "worker_exit", [](auto& e) {
+    return e.num("rank") == 1 && e.field("status").find("a local actor died") != std::string::npos;
+  });
+  REQUIRE(exit >= 0);
+  CHECK(find_event(j.events, 0, "epoch", [](auto& e) { return e.field("left") == "[1]"; }) >= 0);
+  CHECK(find_event(j.events, exit, "epoch", [](auto& e) { return e.field("joined") == "[1]"; })
+        >= 0);
+  check_identical(j, 3);
+}
+
 TEST_CASE("a step that fails with every process alive: the epoch is re-formed, nobody restarts") {
   // SIGUSR2 breaks rank 1's communicators in its next step, as a transport
   // error would. Its peers wait in a collective that cannot complete; the

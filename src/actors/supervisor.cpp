@@ -3,34 +3,32 @@
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "core/pages.hpp"
+#include "core/spawn.hpp"
 #include "transport/join.hpp"
 #ifdef CMESH_HAVE_NCCL
 #include "collectives/nccl/nccl_communicator.hpp"
 #endif
 
+#include <caf/all.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
-#include <condition_variable>
-#include <deque>
+#include <cstring>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <thread>
-#include <cstring>
-#include <cerrno>
 #include <unistd.h>
 
 namespace cmesh::actors {
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr uint64_t catchup_epoch_base = uint64_t{1} << 15;
@@ -42,6 +40,10 @@ bool includes(const wire::epoch_notice& n, uint32_t rank, uint64_t incarnation) 
   return false;
 }
 
+bool has_rank(const std::vector<uint32_t>& ranks, uint32_t rank) {
+  return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
+}
+
 /// The catch-up's bulk broadcasts, which both peers are already in: polled
 /// without the naps its communicators take while they wait for a step.
 const coll::op_options transfer_op = [] {
@@ -50,8 +52,21 @@ const coll::op_options transfer_op = [] {
   return o;
 }();
 
-bool has_rank(const wire::epoch_notice& n, uint32_t rank) {
-  return std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end();
+/// Catch-up moves whole state buffers between two processes: large chunks
+/// (fewer messages), the rest as for training.
+coll::host_options catchup_host_options(const supervisor_options& o) {
+  auto h = o.host;
+  h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
+  // Catch-up runs beside training: it must not spin on a core the trainers
+  // need while it waits for its peer (a joiner waits a whole step for each
+  // update): it sleeps on the worker's events.
+  h.spin_before_yield = 1;
+  h.sleep_when_idle = std::chrono::milliseconds(2);
+  h.idle_polls_before_sleep = 100;
+  // It broadcasts (and the shared-memory ring would sleep through its
+  // slices: nothing wakes the worker's descriptor for it).
+  h.shared_memory_ring = false;
+  return h;
 }
 
 } // namespace
@@ -85,245 +100,363 @@ struct snapshot_buffers {
   }
 };
 
-/// One joiner this rank serves.
-struct session {
+/// What the supervisor actor publishes for the threads that wait in
+/// collectives (their peer-status checks) and for the trainer's fast paths:
+/// an immutable copy, replaced on each change.
+struct supervisor_view {
+  bool stopping = false;
+  std::optional<std::string> failed;           // the coordinator gave up: why
+  std::map<uint32_t, uint64_t> lost;           // rank -> the epoch it was lost in
+  std::map<uint32_t, uint64_t> lost_count;     // rank -> losses heard of
+  uint64_t newest_epoch = 0;                   // 0: none yet
+  std::vector<uint32_t> newest_ranks;
+  bool snapshot_owed = false; // a prepared session waits for the next boundary
+  bool streaming = false;     // a session takes the committed updates
+  std::shared_ptr<coordinator_client> client;
+
+  uint64_t losses(uint32_t r) const {
+    auto it = lost_count.find(r);
+    return it == lost_count.end() ? 0 : it->second;
+  }
+};
+
+struct view_cell {
+  std::atomic<std::shared_ptr<const supervisor_view>> v;
+  std::shared_ptr<const supervisor_view> get() const { return v.load(std::memory_order_acquire); }
+};
+
+/// One joiner this rank serves: what the serving helper and the supervisor
+/// share. The snapshot's buffers go by message: from the helper (prepared)
+/// through the supervisor to the trainer's thread (owed), which copies the
+/// state into them, and back to the helper (taken), which sends them.
+struct session_shared {
   wire::catchup_assign assign;
-  bool want_snapshot = true;  // until at_boundary copies it
-  bool end = false;           // the stream's last update is queued
-  bool broken = false;        // cut off, or failed
-  uint64_t snap_step = 0;
-  snapshot_buffers snap;
-  void drop_state() { snap = {}; }
-  std::deque<std::pair<uint64_t, std::vector<float>>> queue;
-  std::unique_ptr<coll::communicator> comm; // from prepared until the stream ends
-  std::thread thread;
-  /// Buffers allocated and the communicator built (the serving thread sets
-  /// comm last; it is reset only after the snapshot was sent).
+  std::atomic<bool> cancelled{false}; // replaced, cut off, or stopped
+};
+using session_ptr = std::shared_ptr<session_shared>;
+
+// ---- Messages to and from the supervisor actor (local only) ----
+
+using ctl_atom = caf::atom_constant<caf::atom("ctl")>;
+using beacon_atom = caf::atom_constant<caf::atom("beacon")>;
+using computing_atom = caf::atom_constant<caf::atom("computing")>;
+using owed_atom = caf::atom_constant<caf::atom("owed")>;
+using taken_atom = caf::atom_constant<caf::atom("taken")>;
+using enter_atom = caf::atom_constant<caf::atom("enter")>;
+using enter_to_atom = caf::atom_constant<caf::atom("enterto")>;
+using take_ctx_atom = caf::atom_constant<caf::atom("takectx")>;
+using give_ctx_atom = caf::atom_constant<caf::atom("givectx")>;
+using abort_atom = caf::atom_constant<caf::atom("abort")>;
+using stop_atom = caf::atom_constant<caf::atom("stop")>;
+using shutdown_atom = caf::atom_constant<caf::atom("shutdown")>;
+using streamed_atom = caf::atom_constant<caf::atom("streamed")>;
+using send_snap_atom = caf::atom_constant<caf::atom("sendsnap")>;
+using end_atom = caf::atom_constant<caf::atom("end")>;
+using watch_atom = caf::atom_constant<caf::atom("watch")>;
+
+/// The state at a step boundary: the step and the state's sizes.
+struct boundary_msg {
+  uint64_t step = 0;
+  std::array<size_t, 4> sizes{};
+};
+
+/// A committed step, with its update when a session streams.
+struct commit_msg {
+  uint64_t k = 0;
+  std::shared_ptr<const std::vector<float>> update;
+};
+
+/// A change of the beaconed status (sent at once).
+struct status_msg {
+  std::optional<uint8_t> state;
+  std::optional<uint64_t> step, epoch, session;
+  /// An epoch that broke on this rank, and why (the coordinator re-forms
+  /// it if no death explains it).
+  std::optional<std::pair<uint64_t, std::string>> broken;
+  bool send = true;
+};
+
+/// What the trainer does next, the answer to enter_atom.
+struct enter_reply {
+  enum class kind : uint8_t { error, snapshot, join, epoch } what = kind::error;
+  caf::error err;
+  wire::epoch_notice notice;   // epoch
+  wire::catchup_assign assign; // join
+  uint64_t source_losses = 0;  // join: losses of its source heard of when it came
+};
+
+struct enter_msg {
+  uint64_t after = 0;
+  bool member_before = false;
+};
+
+/// A communicator the trainer built (or forgets: c empty), kept by the
+/// supervisor only to abort it. Every holder but the trainer's thread lets
+/// go of it first, so a communicator always dies on the thread that used it.
+struct comm_reg {
+  enum class kind : uint8_t { epoch, part, device, join } what = kind::epoch;
+  size_t slot = 0;
+  std::shared_ptr<coll::communicator> c;
+  uint32_t source = 0;        // join
+  uint64_t losses_before = 0; // join
+};
+
+/// From a serving helper.
+struct prepared_msg {
+  uint64_t session = 0;
+  std::shared_ptr<coll::communicator> c;
+  std::shared_ptr<snapshot_buffers> buf;
+};
+/// A snapshot the trainer owes a session, and then has taken.
+struct owed_snapshot {
+  uint64_t session = 0;
+  uint32_t joiner = 0;
+  uint64_t step = 0;
+  std::shared_ptr<snapshot_buffers> buf;
+};
+struct session_end_msg {
+  uint64_t session = 0;
+  bool clean = false;
+};
+struct finished_msg {
+  uint64_t step = 0;
+  wire::report done;
+};
+struct reconnected_msg {
+  std::shared_ptr<coordinator_client> c; // empty: the attempt failed
+};
+struct owed_list {
+  std::vector<owed_snapshot> sessions;
+};
+
+} // namespace cmesh::actors
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::control_message)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::boundary_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::commit_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::status_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::enter_reply)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::enter_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::comm_reg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::prepared_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::session_end_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::finished_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::reconnected_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::owed_list)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::owed_snapshot)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<cmesh::coll::host_context>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::report)
+
+namespace cmesh::actors {
+
+namespace {
+
+/// The supervisor actor's record of a session it serves.
+struct session_rec {
+  session_ptr sh;
+  caf::actor helper;                        // spawned once the state's sizes are known
+  std::shared_ptr<coll::communicator> comm; // from prepared until the session ends
+  std::shared_ptr<snapshot_buffers> buf;    // from prepared until the snapshot is taken
+  bool want_snapshot = true;                // until the trainer copies it
+  bool end = false;                         // the stream's end was sent to the helper
+  bool broken = false;                      // cut off, replaced or failed
+  size_t backlog = 0;                       // updates forwarded and not yet streamed
   bool prepared() const { return comm != nullptr; }
 };
-using session_ptr = std::shared_ptr<session>;
 
-struct supervisor::impl {
+struct supervisor_state;
+using supervisor_self = caf::stateful_actor<supervisor_state>;
+
+struct supervisor_state {
+  supervisor_self* self = nullptr;
   supervisor_options o;
-  std::shared_ptr<coordinator_client> client_; // guarded by mu
-  std::shared_ptr<coll::host_context> ctx;
-  std::optional<wire::report> done_report;     // re-sent after a reconnect
+  std::shared_ptr<view_cell> pub;
+  std::shared_ptr<coordinator_client> client;
   bool connected = true;
-
-  mutable std::mutex mu;
-  std::condition_variable cv;
+  bool reconnecting = false;
+  std::optional<wire::report> done_report; // re-sent after a reconnect
   bool stopping = false;
   std::optional<wire::epoch_notice> newest; // the newest non-failing epoch
   std::optional<wire::epoch_notice> failed; // the coordinator gave up
   std::optional<wire::catchup_assign> join; // the newest assignment as joiner
   uint64_t join_source_losses = 0;          // lost_count[join->source] when it came
+  uint64_t join_done = 0;                   // sessions handed to the trainer up to here
   std::map<uint32_t, uint64_t> lost;        // rank -> the epoch it was lost in
   std::map<uint32_t, uint64_t> lost_count;  // rank -> losses heard of (any incarnation)
-  uint64_t join_done = 0;                   // sessions handled as joiner up to here
-  std::unique_ptr<coll::communicator> comm; // the current epoch's
-  /// Parts of the current epoch (a replica group; a shard's holders), each
-  /// on a host context of its own, built lazily.
-  std::array<std::shared_ptr<coll::host_context>, 2> part_ctx;
-  std::array<std::unique_ptr<coll::communicator>, 2> parts;
-  /// The epoch's communicators over device memory (device_communicator,
-  /// slots as for parts), and the epoch each belongs to.
-  std::array<std::unique_ptr<coll::communicator>, 2> devs;
-  std::array<uint64_t, 2> dev_epochs{};
-  std::array<std::shared_ptr<coll::host_context>, 2> dev_ctx; // device_kind::host
-  std::atomic<bool> dev_abort{false}; // stops an NCCL creation in progress
-  /// Aborts the current epoch's communicator and its parts (mu held).
-  /// Puts `epoch` and why it broke here into the beacon (the caller holds
-  /// `mu` and sends it). The reason is cut to a beacon's size.
-  void note_broken(uint64_t epoch, const std::string& why) {
-    status.broken_epoch = epoch;
-    status.broken_reason = why.substr(0, 240);
-  }
-  void abort_epoch(const caf::error& why) {
-    if (comm)
-      comm->abort(why);
-    for (auto& p : parts)
-      if (p)
-        p->abort(why);
-    for (auto& d : devs)
-      if (d)
-        d->abort(why);
-    dev_abort.store(true);
-  }
-  coll::communicator* join_comm = nullptr;  // the catch-up we receive, while it runs
+  // The trainer's communicators, held to abort them (comm_reg).
+  std::shared_ptr<coll::communicator> comm;
+  std::array<std::shared_ptr<coll::communicator>, 2> parts, devs;
+  std::shared_ptr<std::atomic<bool>> dev_abort; // stops an NCCL creation in progress
+  std::shared_ptr<coll::communicator> join_comm;
   uint32_t join_source = 0;
-  uint64_t join_losses_before = 0;          // lost_count[join_source] when it began
-  std::map<uint64_t, session_ptr> sessions; // as source, by session id
+  uint64_t join_losses_before = 0;
+  std::map<uint64_t, session_rec> sessions; // as source, by session id
   /// A catch-up context made at start-up, so that neither a source nor a
   /// joiner creates a UCP context (20-80 ms of CPU on these machines) while
   /// training runs beside it. Taken by one session at a time, given back
   /// after a clean end (a failed session's worker may hold a dead peer's
-  /// leftovers, so it is dropped: it keeps no spare worker).
-  std::shared_ptr<coll::host_context> spare_catchup_ctx;
-  expected<std::shared_ptr<coll::host_context>> take_catchup_ctx() {
-    {
-      std::lock_guard lk(mu);
-      if (spare_catchup_ctx)
-        return std::exchange(spare_catchup_ctx, nullptr);
-    }
-    return coll::transfer_context(o.rank);
-  }
-  /// After a clean session only: its peer is done with the context (the
-  /// stream's end marker was the last message), so the next session, with
-  /// another peer, needs no fresh worker.
-  void give_back_catchup_ctx(std::shared_ptr<coll::host_context> c) {
-    c->quiesced();
-    std::lock_guard lk(mu);
-    if (!spare_catchup_ctx)
-      spare_catchup_ctx = std::move(c);
-  }
+  /// leftovers, so it is dropped).
+  std::shared_ptr<coll::host_context> spare_ctx;
   /// Sizes of this rank's params, moments and scalars, from the trainer's
-  /// step boundaries: a source prepares snapshot buffers of these sizes.
+  /// step boundaries: a helper prepares snapshot buffers of these sizes.
   std::optional<std::array<size_t, 4>> state_sizes;
   wire::worker_status status;
   bool announce_commit = false; // the first commit of an epoch is beaconed at once
   int64_t computing_since = 0;  // mono_ns of the running computation's start, 0: none
-  std::thread beacon;
+  struct waiter {
+    caf::response_promise rp;
+    enter_msg req;
+    uint64_t id = 0;
+  };
+  std::optional<waiter> waiting; // the trainer's enter_epoch, until it can be answered
+  uint64_t waits = 0;
+  std::map<caf::actor_addr, std::string> watched;
 
-  impl(supervisor_options opts, coordinator_client c, std::shared_ptr<coll::host_context> x)
-      : o(std::move(opts)), client_(std::make_shared<coordinator_client>(std::move(c))),
-        ctx(std::move(x)) {
-    status.incarnation = o.incarnation;
-    // Until the trainer first asks for an epoch (its model built): a
-    // restarted rank is given a catch-up source only once it can take the
-    // snapshot, so its start-up does not run while a source serves it.
-    status.state = wire::worker_status::starting;
-  }
-
-  std::shared_ptr<coordinator_client> client() const {
-    std::lock_guard lk(mu);
-    return client_;
-  }
-  bool reconnect();
-
-  void on_control(const control_message& m);
-  void dial(const std::vector<rank_incarnation>& wanted);
-  void abort_if_left_out(); // with mu held
-  void set_status(uint8_t state, std::optional<uint64_t> step = {},
-                  std::optional<uint64_t> epoch = {}, std::optional<uint64_t> session = {});
+  void publish();
   void send_status();
-  void run_beacon();
-  void serve(session_ptr s);
-  caf::error receive(const wire::catchup_assign& a, train_state& st, const apply_update& apply);
-  coll::peer_status member_status(uint64_t epoch);
-  /// Catch-up moves whole state buffers between two processes: large
-  /// chunks (fewer messages), the rest as for training.
-  coll::host_options catchup_host_options() const {
-    auto h = o.host;
-    h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
-    // Catch-up runs beside training: it must not spin on a core the
-    // trainers need while it waits for its peer (a joiner waits a whole
-    // step for each update): it sleeps on the worker's events.
-    h.spin_before_yield = 1;
-    h.sleep_when_idle = std::chrono::milliseconds(2);
-    h.idle_polls_before_sleep = 100;
-    // It broadcasts (and the shared-memory ring would sleep through its
-    // slices: nothing wakes the worker's descriptor for it).
-    h.shared_memory_ring = false;
-    return h;
-  }
+  void apply_status(const status_msg& m);
+  void beacon();
+  void on_notice(const wire::epoch_notice& n);
+  void on_assign(const wire::catchup_assign& a);
+  void dial(const std::vector<rank_incarnation>& wanted);
+  void abort_epoch(const caf::error& why);
+  void abort_if_left_out();
+  void answer();
+  void deliver(enter_reply r);
+  void end_streams(const wire::epoch_notice& n);
+  void spawn_helpers();
+  void cut_off(session_rec& s, const caf::error& why);
+  void on_commit(const commit_msg& m);
+  owed_list owed();
+  void register_comm(comm_reg& r);
+  void stop();
+  void reconnect();
+  void on_reconnected(const std::shared_ptr<coordinator_client>& c);
+  void on_down(const caf::down_msg& d);
+  void install_control(coordinator_client& c);
 };
 
-void supervisor::impl::set_status(uint8_t state, std::optional<uint64_t> step,
-                             std::optional<uint64_t> epoch, std::optional<uint64_t> session) {
-  {
-    std::lock_guard lk(mu);
-    status.state = state;
-    if (step)
-      status.step = *step;
-    if (epoch)
-      status.epoch = *epoch;
-    if (session)
-      status.session = *session;
+void supervisor_state::publish() {
+  auto v = std::make_shared<supervisor_view>();
+  v->stopping = stopping;
+  if (failed)
+    v->failed = failed->reason;
+  v->lost = lost;
+  v->lost_count = lost_count;
+  if (newest) {
+    v->newest_epoch = newest->epoch;
+    v->newest_ranks = newest->ranks;
   }
-  send_status();
+  for (auto& [id, s] : sessions) {
+    if (s.broken)
+      continue;
+    v->snapshot_owed = v->snapshot_owed || (s.want_snapshot && s.prepared());
+    v->streaming = v->streaming || (!s.want_snapshot && !s.end);
+  }
+  v->client = client;
+  pub->v.store(std::move(v), std::memory_order_release);
 }
 
-void supervisor::impl::send_status() {
-  wire::worker_status s;
-  {
-    std::lock_guard lk(mu);
-    s = status;
-  }
+void supervisor_state::send_status() {
+  auto s = status;
   s.mono_ns = mono_ns();
   // The coordinator may be gone for a while: training goes on meanwhile,
-  // and the beacon thread reconnects.
-  if (client()->send_status(s)) {
-    std::lock_guard lk(mu);
+  // and the beacon reconnects.
+  if (client->send_status(s))
     connected = false;
-  }
 }
 
-bool supervisor::impl::reconnect() {
-  auto c = coordinator_client::connect(*o.coordinator, std::chrono::milliseconds(500));
-  if (!c)
-    return false;
-  auto fresh = std::make_shared<coordinator_client>(std::move(*c));
-  if (fresh->rejoin(o.registration))
-    return false;
-  fresh->on_control([this](const control_message& m) { on_control(m); });
-  std::optional<wire::report> done;
-  {
-    std::lock_guard lk(mu);
-    client_ = fresh;
-    connected = true;
-    done = done_report;
+void supervisor_state::apply_status(const status_msg& m) {
+  if (m.state)
+    status.state = *m.state;
+  if (m.step)
+    status.step = *m.step;
+  if (m.epoch)
+    status.epoch = *m.epoch;
+  if (m.session)
+    status.session = *m.session;
+  if (m.broken) {
+    status.broken_epoch = m.broken->first;
+    status.broken_reason = m.broken->second.substr(0, 240); // a beacon's size
   }
+  if (m.send)
+    send_status();
+}
+
+void supervisor_state::beacon() {
+  if (stopping)
+    return;
+  if (o.step_timeout.count() > 0 && computing_since != 0
+      && mono_ns() - computing_since > o.step_timeout.count() * 1000000) {
+    // The step watchdog: this rank's computation hangs. Say so and end the
+    // process; its peers are told by its closed connection at once.
+    auto why = fmt::format("step watchdog: rank {} computed for more than {} ms", o.rank,
+                           o.step_timeout.count());
+    spdlog::error("supervisor: {}; ending the process", why);
+    (void) client->report({o.rank, "failed", why, mono_ns()});
+    std::this_thread::sleep_for(std::chrono::milliseconds(50)); // let the report leave
+    std::_Exit(exit_hung);
+  }
+  if (!connected && o.coordinator)
+    reconnect();
+  else
+    send_status();
+  self->delayed_send(self, o.beacon_interval, beacon_atom::value);
+}
+
+/// A helper connects to a restarted coordinator (a connect waits up to half
+/// a second) and reports back.
+void supervisor_state::reconnect() {
+  if (reconnecting)
+    return;
+  reconnecting = true;
+  spawn_blocking(self->home_system(), [sup = caf::actor_cast<caf::actor>(self), where = *o.coordinator,
+                                       reg = o.registration](caf::blocking_actor*) {
+    std::shared_ptr<coordinator_client> fresh;
+    if (auto c = coordinator_client::connect(where, std::chrono::milliseconds(500))) {
+      auto made = std::make_shared<coordinator_client>(std::move(*c));
+      if (!made->rejoin(reg))
+        fresh = std::move(made);
+    }
+    caf::anon_send(sup, reconnected_msg{std::move(fresh)});
+  });
+}
+
+void supervisor_state::install_control(coordinator_client& c) {
+  c.on_control([sup = caf::actor_cast<caf::actor>(self)](const control_message& m) {
+    caf::anon_send(sup, ctl_atom::value, m);
+  });
+}
+
+void supervisor_state::on_reconnected(const std::shared_ptr<coordinator_client>& c) {
+  reconnecting = false;
+  if (!c || stopping)
+    return;
+  install_control(*c);
+  client = c;
+  connected = true;
   spdlog::warn("supervisor: rank {} reconnected to the coordinator at {}", o.rank,
                o.coordinator->to_string());
   send_status();
-  if (done)
-    (void) fresh->report(*done);
-  return true;
+  if (done_report)
+    (void) client->report(*done_report);
+  publish();
 }
 
-void supervisor::impl::run_beacon() {
-  std::unique_lock lk(mu);
-  while (!stopping) {
-    if (o.step_timeout.count() > 0 && computing_since != 0
-        && mono_ns() - computing_since > o.step_timeout.count() * 1000000) {
-      // The step watchdog: this rank's computation hangs. Say so and end
-      // the process; its peers are told by its closed connection at once.
-      auto why = fmt::format("step watchdog: rank {} computed for more than {} ms", o.rank,
-                             o.step_timeout.count());
-      lk.unlock();
-      spdlog::error("supervisor: {}; ending the process", why);
-      (void) client()->report({o.rank, "failed", why, mono_ns()});
-      std::this_thread::sleep_for(std::chrono::milliseconds(50)); // let the report leave
-      std::_Exit(exit_hung);
-    }
-    bool lost = !connected;
-    lk.unlock();
-    if (lost && o.coordinator)
-      reconnect();
-    else
-      send_status();
-    lk.lock();
-    cv.wait_for(lk, o.beacon_interval, [&] { return stopping; });
-  }
+/// Aborts the current epoch's communicators and their parts.
+void supervisor_state::abort_epoch(const caf::error& why) {
+  if (comm)
+    comm->abort(why);
+  for (auto& p : parts)
+    if (p)
+      p->abort(why);
+  for (auto& d : devs)
+    if (d)
+      d->abort(why);
+  dev_abort->store(true);
 }
 
-/// A member of `epoch` is lost when a newer epoch left it out.
-coll::peer_status supervisor::impl::member_status(uint64_t epoch) {
-  return [this, epoch](uint32_t r) -> caf::error {
-    std::lock_guard lk(mu);
-    if (stopping)
-      return make_error(errc::closed, "the supervisor is stopping");
-    if (failed)
-      return make_error(errc::unrecoverable, failed->reason);
-    if (auto it = lost.find(r); it != lost.end() && it->second >= epoch)
-      return make_error(errc::peer_lost, fmt::format("rank {} was lost in epoch {}", r, it->second));
-    if (newest && newest->epoch > epoch && !has_rank(*newest, r))
-      return make_error(errc::peer_lost, fmt::format("epoch {} left out rank {}", newest->epoch, r));
-    return {};
-  };
-}
-
-void supervisor::impl::abort_if_left_out() {
+void supervisor_state::abort_if_left_out() {
   if (failed) {
     if (comm)
       abort_epoch(make_error(errc::unrecoverable, failed->reason));
@@ -340,10 +473,9 @@ void supervisor::impl::abort_if_left_out() {
       }
     }
   }
-  if (join_comm && lost_count[join_source] > join_losses_before) {
+  if (join_comm && lost_count[join_source] > join_losses_before)
     join_comm->abort(make_error(errc::peer_lost,
                                 fmt::format("catch-up source rank {} was lost", join_source)));
-  }
   if (!newest)
     return;
   if (comm && newest->epoch > comm->members().epoch && newest->abort_running) {
@@ -352,9 +484,8 @@ void supervisor::impl::abort_if_left_out() {
     abort_epoch(make_error(errc::aborted, fmt::format("epoch {} replaces the broken epoch {}",
                                                       newest->epoch, comm->members().epoch)));
   } else if (comm && newest->epoch > comm->members().epoch) {
-    const auto& m = comm->members();
-    for (auto r : m.ranks) {
-      bool stays = has_rank(*newest, r)
+    for (auto r : comm->members().ranks) {
+      bool stays = has_rank(newest->ranks, r)
                    && (r != o.rank || includes(*newest, o.rank, o.incarnation));
       if (!stays) {
         abort_epoch(make_error(errc::peer_lost, fmt::format("epoch {} left out rank {} ({})",
@@ -363,18 +494,18 @@ void supervisor::impl::abort_if_left_out() {
       }
     }
   }
-  if (join_comm && !has_rank(*newest, join_source))
+  if (join_comm && !has_rank(newest->ranks, join_source))
     join_comm->abort(make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the "
                                                              "job in epoch {}",
                                                              join_source, newest->epoch)));
 }
 
 /// The mesh follows the membership: `wanted` dialled at the addresses of
-/// the latest peer table (mu held).
-void supervisor::impl::dial(const std::vector<rank_incarnation>& wanted) {
-  if (o.mesh == nullptr || !client_)
+/// the latest peer table.
+void supervisor_state::dial(const std::vector<rank_incarnation>& wanted) {
+  if (o.mesh == nullptr || !client)
     return;
-  auto table = client_->latest_table();
+  auto table = client->latest_table();
   if (!table)
     return;
   for (auto& e : entries_to_dial(*table, wanted, o.rank))
@@ -383,264 +514,934 @@ void supervisor::impl::dial(const std::vector<rank_incarnation>& wanted) {
                    describe(err));
 }
 
-void supervisor::impl::on_control(const control_message& m) {
-  std::lock_guard lk(mu);
-  if (auto* n = std::get_if<wire::epoch_notice>(&m)) {
-    if (n->fail) {
-      failed = *n;
-    } else if (!n->lost.empty()) {
-      for (auto r : n->lost) {
-        lost[r] = std::max(lost[r], n->epoch);
-        ++lost_count[r];
-        if (join_comm && r == join_source)
-          join_comm->abort(make_error(errc::peer_lost,
-                                      fmt::format("catch-up source rank {} was lost", r)));
-      }
-    } else if (!newest || n->epoch > newest->epoch) {
-      newest = *n;
-      std::vector<rank_incarnation> members;
-      for (size_t i = 0; i < n->ranks.size() && i < n->incarnations.size(); ++i)
-        members.push_back({n->ranks[i], n->incarnations[i]});
-      dial(members);
-    } else if (n->epoch == newest->epoch && n->abort_running) {
-      // The newest epoch again: the one before it broke after it came.
-      newest->abort_running = true;
+void supervisor_state::on_notice(const wire::epoch_notice& n) {
+  if (n.fail) {
+    failed = n;
+  } else if (!n.lost.empty()) {
+    for (auto r : n.lost) {
+      lost[r] = std::max(lost[r], n.epoch);
+      ++lost_count[r];
     }
-    abort_if_left_out();
-  } else if (auto* a = std::get_if<wire::catchup_assign>(&m)) {
-    if (a->joiner == o.rank && a->joiner_incarnation == o.incarnation) {
-      dial({{a->source, 0}}); // a member: the table's entry is its running incarnation
-      if (!join || a->session > join->session) {
-        join = *a;
-        join_source_losses = lost_count[a->source];
-        if (join_comm)
-          join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
-      }
-    } else if (a->source == o.rank && !sessions.count(a->session)) {
-      dial({{a->joiner, a->joiner_incarnation}});
-      // A new session for the same joiner replaces the old one.
-      for (auto& [id, s] : sessions) {
-        if (s->assign.joiner == a->joiner && !s->broken) {
-          s->broken = true;
-          if (s->comm)
-            s->comm->abort(make_error(errc::aborted, "replaced by a newer session"));
-        }
-      }
-      auto s = std::make_shared<session>();
-      s->assign = *a;
-      sessions[a->session] = s;
-      spdlog::info("supervisor: rank {} is the catch-up source of rank {} (session {})", o.rank,
-                   a->joiner, a->session);
-      // Started under the lock, so stop() never sees a half-assigned thread.
-      if (!stopping)
-        s->thread = std::thread([this, s] { serve(s); });
-    }
+  } else if (!newest || n.epoch > newest->epoch) {
+    newest = n;
+    std::vector<rank_incarnation> members;
+    for (size_t i = 0; i < n.ranks.size() && i < n.incarnations.size(); ++i)
+      members.push_back({n.ranks[i], n.incarnations[i]});
+    dial(members);
+  } else if (n.epoch == newest->epoch && n.abort_running) {
+    // The newest epoch again: the one before it broke after it came.
+    newest->abort_running = true;
   }
-  cv.notify_all();
+  abort_if_left_out();
 }
 
-void supervisor::impl::serve(session_ptr s) {
-  if (!lower_thread_priority(o.catchup_nice))
-    spdlog::debug("supervisor: cannot lower the catch-up thread's priority: {}", std::strerror(errno));
-  const auto& a = s->assign;
-  auto fail = [&](const caf::error& e) {
-    spdlog::warn("supervisor: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
-                 describe(e));
-    std::lock_guard lk(mu);
-    s->broken = true;
-    s->queue.clear();
-    s->drop_state();
-  };
-  // Prepared before the snapshot, here: the buffers are allocated and their
-  // pages touched on this thread, on huge pages (a fresh 100 MB vector
-  // filled on the trainer's thread cost it 270 ms of page faults), and the
-  // communicator is built, so that at the step boundary the trainer only
-  // copies (6 ms for 100 MB).
-  const auto t_setup = mono_ns();
-  const auto cpu_setup = thread_cpu_ns();
-  {
-    std::array<size_t, 4> n;
-    {
-      std::unique_lock lk(mu);
-      if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || state_sizes.has_value(); }))
-        return fail(make_error(errc::timeout, "no step boundary for 600 s"));
-      if (stopping || s->broken)
-        return;
-      n = *state_sizes;
+void supervisor_state::on_assign(const wire::catchup_assign& a) {
+  if (a.joiner == o.rank && a.joiner_incarnation == o.incarnation) {
+    dial({{a.source, 0}}); // a member: the table's entry is its running incarnation
+    if (!join || a.session > join->session) {
+      join = a;
+      join_source_losses = lost_count[a.source];
+      if (join_comm)
+        join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
     }
-    auto fresh = snapshot_buffers::sized(n, page_array::pages::huge);
-    std::fill(fresh.memory.begin(), fresh.memory.end(), 0.0f); // fault the pages in here
-    std::lock_guard lk(mu);
-    s->snap = std::move(fresh);
+    return;
   }
-  const auto t_buffers = mono_ns();
-  auto sctx = take_catchup_ctx();
-  if (!sctx)
-    return fail(sctx.error());
-  const auto t_ctx = mono_ns();
-  auto cl = client();
-  // Nothing tells a source that its joiner died: its session ends when the
-  // supervisor stops, when a newer session replaces it, or at the timeout.
-  coll::peer_status session_status = [this, s](uint32_t) -> caf::error {
-    std::lock_guard lk(mu);
-    if (stopping)
-      return make_error(errc::closed, "the supervisor is stopping");
-    if (s->broken)
-      return make_error(errc::aborted, "the catch-up session was replaced");
-    return {};
+  if (a.source != o.rank || sessions.count(a.session))
+    return;
+  dial({{a.joiner, a.joiner_incarnation}});
+  // A new session for the same joiner replaces the old one.
+  for (auto& [id, s] : sessions)
+    if (s.sh->assign.joiner == a.joiner && !s.broken)
+      cut_off(s, make_error(errc::aborted, "replaced by a newer session"));
+  session_rec s;
+  s.sh = std::make_shared<session_shared>();
+  s.sh->assign = a;
+  sessions.emplace(a.session, std::move(s));
+  spdlog::info("supervisor: rank {} is the catch-up source of rank {} (session {})", o.rank,
+               a.joiner, a.session);
+  spawn_helpers();
+}
+
+void supervisor_state::cut_off(session_rec& s, const caf::error& why) {
+  s.broken = true;
+  s.backlog = 0;
+  s.sh->cancelled.store(true);
+  if (s.comm)
+    s.comm->abort(why);
+  if (s.helper)
+    caf::anon_send(s.helper, stop_atom::value);
+}
+
+void supervisor_state::on_commit(const commit_msg& m) {
+  status.step = m.k + 1;
+  if (announce_commit) {
+    // The coordinator times recovery by this beacon: send it now, not at
+    // the next beacon tick.
+    announce_commit = false;
+    send_status();
+  }
+  bool cut = false;
+  for (auto& [id, s] : sessions) {
+    if (s.want_snapshot || s.broken || s.end)
+      continue;
+    if (s.backlog >= o.stream_max) {
+      spdlog::warn("supervisor: rank {} fell {} steps behind its catch-up stream; cutting it off",
+                   s.sh->assign.joiner, s.backlog);
+      cut_off(s, make_error(errc::queue_full, "catch-up stream overflow"));
+      cut = true;
+    } else if (!m.update) {
+      cut_off(s, make_error(errc::invalid_argument, "a committed step came without its update"));
+      cut = true;
+    } else {
+      ++s.backlog;
+      self->send(s.helper, m);
+    }
+  }
+  if (cut)
+    publish();
+}
+
+/// The sessions whose snapshot the trainer copies now, at a step boundary.
+owed_list supervisor_state::owed() {
+  owed_list out;
+  for (auto& [id, s] : sessions) {
+    if (!s.want_snapshot || !s.prepared() || s.broken)
+      continue;
+    s.want_snapshot = false;
+    out.sessions.push_back({id, s.sh->assign.joiner, 0, std::move(s.buf)});
+  }
+  publish(); // streaming from here: the trainer sends its next update
+  return out;
+}
+
+void supervisor_state::deliver(enter_reply r) {
+  waiting->rp.deliver(std::move(r));
+  waiting.reset();
+}
+
+enter_reply failure(caf::error e) {
+  enter_reply r;
+  r.err = std::move(e);
+  return r;
+}
+
+/// Streams to joiners admitted by epoch `n` end at the switch: their last
+/// update is the one committed just before it.
+void supervisor_state::end_streams(const wire::epoch_notice& n) {
+  for (auto& [id, s] : sessions) {
+    if (s.broken || s.end || !has_rank(n.ranks, s.sh->assign.joiner))
+      continue;
+    s.end = true;
+    if (s.helper)
+      self->send(s.helper, end_atom::value);
+  }
+  publish();
+}
+
+/// Answers the trainer's enter_epoch once there is something to do.
+void supervisor_state::answer() {
+  if (!waiting)
+    return;
+  auto& w = waiting->req;
+  const bool snapshot_owed =
+    w.member_before && std::any_of(sessions.begin(), sessions.end(), [](auto& kv) {
+      return kv.second.want_snapshot && kv.second.prepared() && !kv.second.broken;
+    });
+  if (!stopping && snapshot_owed) {
+    // A member waiting for its next epoch is at a step boundary: it can
+    // serve a joiner now (this is how a quorum lost to several deaths at
+    // once is rebuilt from the survivors).
+    enter_reply r;
+    r.what = enter_reply::kind::snapshot;
+    return deliver(std::move(r));
+  }
+  if (stopping)
+    return deliver(failure(make_error(errc::closed, "the supervisor stopped")));
+  if (failed)
+    return deliver(failure(make_error(errc::unrecoverable, failed->reason)));
+  if (!w.member_before && join && join->session > join_done) {
+    join_done = join->session;
+    enter_reply r;
+    r.what = enter_reply::kind::join;
+    r.assign = *join;
+    r.source_losses = join_source_losses;
+    return deliver(std::move(r));
+  }
+  if (!newest || newest->epoch <= w.after)
+    return;
+  if (!includes(*newest, o.rank, o.incarnation)) {
+    if (w.member_before)
+      return deliver(failure(make_error(
+        errc::fenced, fmt::format("rank {} (incarnation {:x}) was left out of epoch {}: {}", o.rank,
+                                  o.incarnation, newest->epoch, newest->reason))));
+    w.after = newest->epoch; // not ours yet: wait for a catch-up or a later epoch
+    return;
+  }
+  end_streams(*newest);
+  enter_reply r;
+  r.what = enter_reply::kind::epoch;
+  r.notice = *newest;
+  deliver(std::move(r));
+}
+
+void serve_session(caf::blocking_actor* self, caf::actor sup, session_ptr sh,
+                   supervisor_options o, std::shared_ptr<coordinator_client> client,
+                   std::shared_ptr<coll::host_context> spare, std::array<size_t, 4> sizes,
+                   std::shared_ptr<view_cell> pub);
+
+void supervisor_state::spawn_helpers() {
+  if (!state_sizes || stopping)
+    return;
+  for (auto& [id, s] : sessions) {
+    if (s.helper || s.broken)
+      continue;
+    if (s.end) { // its joiner was admitted before it could start
+      s.broken = true;
+      continue;
+    }
+    s.helper = self->home_system().spawn(serve_session, caf::actor_cast<caf::actor>(self), s.sh, o,
+                                         client, std::exchange(spare_ctx, nullptr), *state_sizes,
+                                         pub);
+  }
+}
+
+void supervisor_state::register_comm(comm_reg& r) {
+  using kind = comm_reg::kind;
+  switch (r.what) {
+    case kind::epoch:
+      for (auto& p : parts)
+        p.reset(); // the last epoch's parts (the trainer is done with them)
+      comm = std::move(r.c);
+      if (!comm)
+        return;
+      abort_if_left_out(); // an epoch newer still may have come meanwhile
+      status.state = wire::worker_status::training;
+      status.epoch = comm->members().epoch;
+      status.session = 0;
+      announce_commit = true;
+      send_status();
+      return;
+    case kind::part:
+      parts.at(r.slot) = std::move(r.c);
+      break;
+    case kind::device:
+      devs.at(r.slot) = std::move(r.c);
+      break;
+    case kind::join:
+      join_comm = std::move(r.c);
+      join_source = r.source;
+      join_losses_before = r.losses_before;
+      break;
+  }
+  abort_if_left_out();
+}
+
+void supervisor_state::stop() {
+  if (stopping)
+    return;
+  stopping = true;
+  auto why = make_error(errc::closed, "the supervisor is stopping");
+  abort_epoch(why);
+  if (join_comm)
+    join_comm->abort(why);
+  for (auto& [id, s] : sessions)
+    cut_off(s, why);
+  client->on_control({});
+  publish();
+  answer();
+}
+
+/// A watched local actor that dies with an error takes the rank with it:
+/// the coordinator hears of it at once, the survivors go on, and the
+/// launcher restarts this rank as a new incarnation.
+void supervisor_state::on_down(const caf::down_msg& d) {
+  auto it = watched.find(d.source);
+  if (it == watched.end())
+    return;
+  auto what = it->second;
+  watched.erase(it);
+  if (!d.reason || d.reason == caf::exit_reason::normal || stopping)
+    return;
+  auto why = fmt::format("the {} actor of rank {} died: {}", what, o.rank,
+                         d.reason.category() == error_category
+                           ? describe(d.reason)
+                           : self->home_system().render(d.reason));
+  spdlog::error("supervisor: {}; ending the process", why);
+  (void) client->report({o.rank, "failed", why, mono_ns()});
+  std::this_thread::sleep_for(std::chrono::milliseconds(50)); // let the report leave
+  std::_Exit(exit_actor_failed);
+}
+
+/// Coordinator pushes, the beacon, and what the trainer tells at each step.
+caf::message_handler coordinator_and_steps(supervisor_self* self) {
+  return {
+    [self](ctl_atom, const control_message& m) {
+      auto& S = self->state;
+      if (auto* n = std::get_if<wire::epoch_notice>(&m))
+        S.on_notice(*n);
+      else if (auto* a = std::get_if<wire::catchup_assign>(&m))
+        S.on_assign(*a);
+      S.publish();
+      S.answer();
+    },
+    [self](beacon_atom) { self->state.beacon(); },
+    [self](computing_atom, bool on) { self->state.computing_since = on ? mono_ns() : 0; },
+    [self](const boundary_msg& m) {
+      auto& S = self->state;
+      S.status.step = m.step;
+      const bool first = !S.state_sizes;
+      S.state_sizes = m.sizes;
+      if (first)
+        S.spawn_helpers();
+    },
+    [self](owed_atom) { return self->state.owed(); },
+    [self](taken_atom, const owed_snapshot& t) {
+      auto& S = self->state;
+      if (auto it = S.sessions.find(t.session); it != S.sessions.end() && !it->second.broken)
+        self->send(it->second.helper, send_snap_atom::value, t);
+    },
+    [self](const commit_msg& m) { self->state.on_commit(m); },
+    [self](const status_msg& m) { self->state.apply_status(m); },
   };
-  auto c = coll::make_host_communicator(*sctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
-                                        *cl, session_status, catchup_host_options());
-  if (!c)
-    return fail(c.error());
-  {
-    std::lock_guard lk(mu);
-    if (s->broken || stopping)
-      return;
-    s->comm = std::move(*c);
-  }
-  cv.notify_all();
-  spdlog::info("supervisor: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, context "
-               "{:.1f}, communicator {:.1f}; CPU {:.1f})",
-               a.session, a.joiner, (mono_ns() - t_setup) / 1e6, (t_buffers - t_setup) / 1e6,
-               (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6,
-               (thread_cpu_ns() - cpu_setup) / 1e6);
+}
+
+/// The trainer's enter_epoch and the communicators it builds.
+caf::message_handler epochs(supervisor_self* self) {
+  return {
+    [self](const enter_msg& m) {
+      auto& S = self->state;
+      if (S.waiting) // the trainer gave up on it
+        S.deliver(failure(make_error(errc::aborted, "a newer enter_epoch replaced this one")));
+      S.waiting = supervisor_state::waiter{self->make_response_promise(), m, ++S.waits};
+      self->delayed_send(self, S.o.epoch_wait, enter_to_atom::value, S.waits);
+      S.answer();
+    },
+    [self](enter_to_atom, uint64_t id) {
+      auto& S = self->state;
+      if (!S.waiting || S.waiting->id != id)
+        return;
+      S.deliver(failure(make_error(
+        errc::timeout, fmt::format("rank {}: no epoch after {} within {} s", S.o.rank,
+                                   S.waiting->req.after,
+                                   std::chrono::duration_cast<std::chrono::seconds>(S.o.epoch_wait)
+                                     .count()))));
+    },
+    [self](comm_reg& r) {
+      self->state.register_comm(r);
+      return true;
+    },
+    [self](abort_atom, const caf::error& why) {
+      self->state.abort_epoch(why);
+      return true;
+    },
+  };
+}
+
+/// The catch-up contexts, and the helpers that serve joiners.
+caf::message_handler catchup_sessions(supervisor_self* self) {
+  return {
+    [self](take_ctx_atom) { return std::exchange(self->state.spare_ctx, nullptr); },
+    [self](give_ctx_atom, std::shared_ptr<coll::host_context>& c) {
+      auto& S = self->state;
+      if (!S.spare_ctx && !S.stopping)
+        S.spare_ctx = std::move(c);
+    },
+    [self](const prepared_msg& m) {
+      auto& S = self->state;
+      auto it = S.sessions.find(m.session);
+      if (it == S.sessions.end())
+        return;
+      if (it->second.broken || S.stopping) {
+        m.c->abort(make_error(errc::aborted, "the catch-up session is over"));
+        return;
+      }
+      it->second.comm = m.c;
+      it->second.buf = m.buf;
+      S.publish();
+      S.answer();
+    },
+    [self](streamed_atom, uint64_t session) {
+      auto& S = self->state;
+      if (auto it = S.sessions.find(session); it != S.sessions.end() && it->second.backlog > 0)
+        --it->second.backlog;
+    },
+    [self](const session_end_msg& m) {
+      auto& S = self->state;
+      if (auto it = S.sessions.find(m.session); it != S.sessions.end()) {
+        auto& s = it->second;
+        s.comm.reset();
+        s.helper = nullptr;
+        s.broken = s.broken || !m.clean;
+        s.end = true;
+        s.buf.reset();
+      }
+      S.publish();
+      return true;
+    },
+  };
+}
+
+/// The end of the run, a restarted coordinator, watched actors, stopping.
+caf::message_handler lifecycle(supervisor_self* self) {
+  return {
+    [self](const finished_msg& m) {
+      auto& S = self->state;
+      S.done_report = m.done;
+      S.status.state = wire::worker_status::training;
+      S.status.step = m.step;
+      S.send_status();
+      (void) S.client->report(m.done);
+    },
+    [self](const reconnected_msg& m) { self->state.on_reconnected(m.c); },
+    [self](watch_atom, const caf::actor& a, const std::string& what) {
+      self->monitor(a);
+      self->state.watched[a.address()] = what;
+    },
+    [self](stop_atom) {
+      self->state.stop();
+      return true;
+    },
+    [self](shutdown_atom) {
+      auto& S = self->state;
+      S.stop();
+      // The trainer's thread holds the last references: its communicators
+      // die there.
+      S.comm.reset();
+      S.parts = {};
+      S.devs = {};
+      S.join_comm.reset();
+      for (auto& [id, s] : S.sessions)
+        s.comm.reset();
+      self->quit();
+      return true;
+    },
+  };
+}
+
+caf::behavior supervisor_actor(supervisor_self* self, supervisor_options o,
+                               std::shared_ptr<coordinator_client> client,
+                               std::shared_ptr<view_cell> pub,
+                               std::shared_ptr<std::atomic<bool>> dev_abort) {
+  auto& S = self->state;
+  S.self = self;
+  S.o = std::move(o);
+  S.client = std::move(client);
+  S.pub = std::move(pub);
+  S.dev_abort = std::move(dev_abort);
+  S.status.incarnation = S.o.incarnation;
+  // Until the trainer first asks for an epoch (its model built): a
+  // restarted rank is given a catch-up source only once it can take the
+  // snapshot, so its start-up does not run while a source serves it.
+  S.status.state = wire::worker_status::starting;
+  S.publish();
+  self->set_down_handler([self](caf::down_msg& d) { self->state.on_down(d); });
+  return caf::behavior{coordinator_and_steps(self)
+                         .or_else(epochs(self))
+                         .or_else(catchup_sessions(self))
+                         .or_else(lifecycle(self))};
+}
+
+/// Sends one joiner its snapshot and the stream of committed updates
+/// after it: the steps of a session, on the helper's thread. `clean`: the
+/// stream ended with its end marker (the context can serve another peer).
+caf::error stream_session(caf::blocking_actor* self, const caf::actor& sup,
+                          const wire::catchup_assign& a, coll::communicator& comm,
+                          int64_t cpu_setup, bool& clean) {
   const auto cpu_prepared = thread_cpu_ns();
-  {
-    std::unique_lock lk(mu);
-    if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || !s->want_snapshot; }))
-      return fail(make_error(errc::timeout, "no step boundary for 600 s"));
-    if (stopping || s->broken)
-      return;
-  }
-  auto& comm = *s->comm;
-  const size_t n_params = s->snap.parts[0].size();
-  int64_t hdr[2] = {static_cast<int64_t>(s->snap_step), static_cast<int64_t>(n_params)};
+  std::optional<owed_snapshot> snap;
+  bool over = false;
+  self->receive([&](send_snap_atom, owed_snapshot& t) { snap = std::move(t); },
+                [&](end_atom) { over = true; }, [&](stop_atom) { over = true; },
+                caf::after(std::chrono::seconds(600)) >> [] {});
+  if (over)
+    return make_error(errc::aborted, "the session ended before its snapshot");
+  if (!snap)
+    return make_error(errc::timeout, "no step boundary for 600 s");
+  const size_t n_params = snap->buf->parts[0].size();
+  int64_t hdr[2] = {static_cast<int64_t>(snap->step), static_cast<int64_t>(n_params)};
   caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
   // The joiner says when it has checked the header and waits for the
   // state, and when it holds all of it. The time from the first word to
-  // the last is the transfer's (the joiner's start-up and endpoints are
-  // not in it). Each array's broadcast itself waits for the joiner's
-  // receives to be posted (an eager stream ahead of them would fill UCX's
-  // unexpected queue with fresh buffers). The joiner answers the header at
-  // once: its word is awaited without naps (a nap is up to 2 ms of a
-  // transfer of a few).
+  // the last is the transfer's (the joiner's start-up and endpoints are not
+  // in it). Each array's broadcast itself waits for the joiner's receives
+  // to be posted (an eager stream ahead of them would fill UCX's unexpected
+  // queue with fresh buffers). The joiner answers the header at once: its
+  // word is awaited without naps (a nap is up to 2 ms of a transfer of a few).
   int64_t joiner_says = 0;
   if (!e)
     e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
   auto t0 = mono_ns();
-  for (auto part : s->snap.parts)
+  for (auto part : snap->buf->parts)
     if (!e)
       e = comm.broadcast(part.data(), part.size(), coll::dtype::float32, 0, transfer_op);
   if (!e)
     e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
   if (e)
-    return fail(e);
+    return e;
   double secs = static_cast<double>(mono_ns() - t0) / 1e9;
   double mb = 3.0 * static_cast<double>(n_params * sizeof(float)) / 1e6;
-  // The snapshot is sent: give its memory back (a session object stays,
-  // small, until the supervisor stops).
-  s->drop_state();
+  snap->buf.reset(); // the snapshot is sent: its memory goes back
   spdlog::info("supervisor: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
                "{:.2f} GB/s; CPU from the prepared communicator {:.1f} ms)",
-               a.session, s->snap_step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9),
+               a.session, snap->step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9),
                (thread_cpu_ns() - cpu_prepared) / 1e6);
   const auto cpu_sent = thread_cpu_ns();
   uint64_t streamed = 0;
   for (;;) {
-    std::pair<uint64_t, std::vector<float>> item;
-    bool last = false;
-    {
-      std::unique_lock lk(mu);
-      // A step takes well under this; silence this long means training stopped.
-      if (!cv.wait_for(lk, 600s, [&] { return stopping || s->broken || s->end || !s->queue.empty(); }))
-        return fail(make_error(errc::timeout, "no committed step to stream for 600 s"));
-      if (stopping || s->broken)
-        return;
-      if (!s->queue.empty()) {
-        item = std::move(s->queue.front());
-        s->queue.pop_front();
-      } else {
-        last = true;
-      }
-    }
-    if (last) {
+    std::optional<commit_msg> item;
+    int what = 0; // 1: an update, 2: the end, 3: stopped
+    // A step takes well under this; silence this long means training stopped.
+    self->receive([&](commit_msg& m) { item = std::move(m); what = 1; },
+                  [&](end_atom) { what = 2; }, [&](stop_atom) { what = 3; },
+                  caf::after(std::chrono::seconds(600)) >> [] {});
+    if (what == 0)
+      return make_error(errc::timeout, "no committed step to stream for 600 s");
+    if (what == 3)
+      return make_error(errc::aborted, "the catch-up session was cut off");
+    if (what == 2) {
       int64_t end[2] = {-1, 0};
       if (auto err = comm.broadcast(end, 2, coll::dtype::int64, 0))
-        return fail(err);
+        return err;
       spdlog::info("supervisor: session {}: stream to rank {} ended after {} update(s) (CPU {:.1f} ms;"
                    " the whole session {:.1f} ms)",
                    a.session, a.joiner, streamed, (thread_cpu_ns() - cpu_sent) / 1e6,
                    (thread_cpu_ns() - cpu_setup) / 1e6);
-      {
-        std::lock_guard lk(mu);
-        s->comm.reset();
-      }
-      give_back_catchup_ctx(std::move(*sctx));
-      return;
+      clean = true;
+      return {};
     }
-    int64_t h[2] = {static_cast<int64_t>(item.first), static_cast<int64_t>(item.second.size())};
+    const auto& u = *item->update;
+    int64_t h[2] = {static_cast<int64_t>(item->k), static_cast<int64_t>(u.size())};
     if (auto err = comm.broadcast(h, 2, coll::dtype::int64, 0))
-      return fail(err);
-    if (auto err = comm.broadcast(item.second.data(), item.second.size(), coll::dtype::float32, 0,
+      return err;
+    if (auto err = comm.broadcast(const_cast<float*>(u.data()), u.size(), coll::dtype::float32, 0,
                                   transfer_op))
-      return fail(err);
+      return err;
     ++streamed;
+    caf::anon_send(sup, streamed_atom::value, a.session);
   }
 }
 
-caf::error supervisor::impl::receive(const wire::catchup_assign& a, train_state& st,
-                                const apply_update& apply) {
-  set_status(wire::worker_status::catching_up, {}, {}, a.session);
-  auto jctx = take_catchup_ctx();
-  if (!jctx)
-    return jctx.error();
-  // Declared before the communicator, so it runs after that is gone.
-  struct give_back_t {
-    impl* self;
-    std::shared_ptr<coll::host_context> ctx;
-    bool clean = false;
-    ~give_back_t() {
-      if (clean)
-        self->give_back_catchup_ctx(std::move(ctx));
-    }
-  } give_back{this, *jctx};
-  // Losses of the source heard of since the assignment came end the session.
-  uint64_t losses_before = 0;
-  {
-    std::lock_guard lk(mu);
-    losses_before = join && join->session == a.session ? join_source_losses : lost_count[a.source];
+/// The helper actor of one session this rank serves as catch-up source.
+/// Prepared before the snapshot, here: the buffers are allocated and their
+/// pages touched on this thread, on huge pages (a fresh 100 MB vector filled
+/// on the trainer's thread cost it 270 ms of page faults), and the
+/// communicator is built, so that at the step boundary the trainer only
+/// copies (6 ms for 100 MB).
+void serve_session(caf::blocking_actor* self, caf::actor sup, session_ptr sh,
+                   supervisor_options o, std::shared_ptr<coordinator_client> client,
+                   std::shared_ptr<coll::host_context> spare, std::array<size_t, 4> sizes,
+                   std::shared_ptr<view_cell> pub) {
+  if (!lower_thread_priority(o.catchup_nice))
+    spdlog::debug("supervisor: cannot lower the catch-up thread's priority: {}",
+                  std::strerror(errno));
+  const auto& a = sh->assign;
+  const auto t_setup = mono_ns();
+  const auto cpu_setup = thread_cpu_ns();
+  auto buf = std::make_shared<snapshot_buffers>(snapshot_buffers::sized(sizes, page_array::pages::huge));
+  std::fill(buf->memory.begin(), buf->memory.end(), 0.0f); // fault the pages in here
+  const auto t_buffers = mono_ns();
+  std::shared_ptr<coll::host_context> ctx = std::move(spare);
+  std::shared_ptr<coll::communicator> comm;
+  bool clean = false;
+  caf::error e;
+  if (!ctx) {
+    if (auto c = coll::transfer_context(o.rank))
+      ctx = std::move(*c);
+    else
+      e = c.error();
   }
-  coll::peer_status source_status = [this, losses_before](uint32_t r) -> caf::error {
-    std::lock_guard lk(mu);
-    if (stopping)
+  const auto t_ctx = mono_ns();
+  // Nothing tells a source that its joiner died: its session ends when the
+  // supervisor stops, when a newer session replaces it, or at the timeout.
+  coll::peer_status status = [sh, pub](uint32_t) -> caf::error {
+    if (pub->get()->stopping)
       return make_error(errc::closed, "the supervisor is stopping");
-    if (lost_count[r] > losses_before)
-      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", r));
-    if (newest && !has_rank(*newest, r))
-      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", r));
+    if (sh->cancelled.load())
+      return make_error(errc::aborted, "the catch-up session was replaced or cut off");
     return {};
   };
-  auto cl = client();
-  auto c = coll::make_host_communicator(*jctx, {catchup_epoch(a.session), {a.source, o.rank}},
-                                        *cl, source_status, catchup_host_options());
+  if (!e) {
+    auto c = coll::make_host_communicator(ctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
+                                          *client, status, catchup_host_options(o));
+    if (c)
+      comm = std::move(*c);
+    else
+      e = c.error();
+  }
+  if (!e) {
+    spdlog::info("supervisor: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, "
+                 "context {:.1f}, communicator {:.1f}; CPU {:.1f})",
+                 a.session, a.joiner, (mono_ns() - t_setup) / 1e6, (t_buffers - t_setup) / 1e6,
+                 (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6,
+                 (thread_cpu_ns() - cpu_setup) / 1e6);
+    self->send(sup, prepared_msg{a.session, comm, std::move(buf)});
+    e = stream_session(self, sup, a, *comm, cpu_setup, clean);
+  }
+  if (e && !sh->cancelled.load() && !pub->get()->stopping)
+    spdlog::warn("supervisor: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
+                 describe(e));
+  // The supervisor lets go of the communicator first: it dies here.
+  self->request(sup, caf::duration{std::chrono::seconds(10)}, session_end_msg{a.session, clean})
+    .receive([](bool) {}, [](caf::error&) {});
+  comm.reset();
+  if (clean && ctx) {
+    // After a clean session only: its peer is done with the context (the
+    // stream's end marker was the last message), so the next session, with
+    // another peer, needs no fresh worker.
+    ctx->quiesced();
+    caf::anon_send(sup, give_ctx_atom::value, std::move(ctx));
+  }
+}
+
+} // namespace
+
+struct supervisor::impl {
+  caf::actor_system& sys;
+  supervisor_options o;
+  std::shared_ptr<coll::host_context> ctx;
+  std::shared_ptr<view_cell> pub = std::make_shared<view_cell>();
+  std::shared_ptr<std::atomic<bool>> dev_abort = std::make_shared<std::atomic<bool>>(false);
+  caf::actor actor;
+  std::atomic<bool> stopped{false};
+  // The trainer's thread's own: the communicators it uses (the supervisor
+  // holds them too, to abort them, and lets go first).
+  std::shared_ptr<coll::communicator> comm;
+  std::array<std::shared_ptr<coll::host_context>, 2> part_ctx, dev_ctx;
+  std::array<std::shared_ptr<coll::communicator>, 2> parts, devs;
+  std::array<uint64_t, 2> dev_epochs{};
+
+  impl(caf::actor_system& s, supervisor_options opts, std::shared_ptr<coll::host_context> x)
+      : sys(s), o(std::move(opts)), ctx(std::move(x)) {}
+
+  std::shared_ptr<const supervisor_view> view() const { return pub->get(); }
+
+  /// Asks the supervisor actor and waits for its answer (at most `timeout`).
+  template <class R, class... Ts>
+  expected<R> ask(std::chrono::milliseconds timeout, Ts&&... xs) {
+    caf::scoped_actor self{sys};
+    expected<R> out = make_error(errc::closed, "the supervisor did not answer");
+    self->request(actor, caf::duration{timeout}, std::forward<Ts>(xs)...)
+      .receive([&](R& r) { out = std::move(r); },
+               [&](caf::error& e) {
+                 out = make_error(errc::closed, "the supervisor did not answer: "
+                                                  + sys.render(e));
+               });
+    return out;
+  }
+  template <class... Ts>
+  void tell(Ts&&... xs) {
+    caf::anon_send(actor, std::forward<Ts>(xs)...);
+  }
+  void set_status(std::optional<uint8_t> state, std::optional<uint64_t> step = {},
+                  std::optional<uint64_t> epoch = {}, std::optional<uint64_t> session = {}) {
+    status_msg m;
+    m.state = state;
+    m.step = step;
+    m.epoch = epoch;
+    m.session = session;
+    tell(std::move(m));
+  }
+  /// Tells the supervisor of a communicator (or that it is gone) and waits
+  /// until it has taken note.
+  void note_comm(comm_reg r) {
+    if (auto ok = ask<bool>(std::chrono::seconds(30), std::move(r)); !ok)
+      spdlog::warn("supervisor: {}", describe(ok.error()));
+  }
+  coll::peer_status member_status(uint64_t epoch) const;
+  void take_snapshots(const train_state& st);
+  expected<coll::communicator*> build_epoch(const wire::epoch_notice& n, uint64_t& after);
+  caf::error receive(const enter_reply& r, train_state& st, const apply_update& apply);
+  caf::error receive_stream(coll::communicator& comm, train_state& st, const apply_update& apply);
+};
+
+/// A member of `epoch` is lost when a newer epoch left it out.
+coll::peer_status supervisor::impl::member_status(uint64_t epoch) const {
+  return [p = pub, epoch](uint32_t r) -> caf::error {
+    auto v = p->get();
+    if (v->stopping)
+      return make_error(errc::closed, "the supervisor is stopping");
+    if (v->failed)
+      return make_error(errc::unrecoverable, *v->failed);
+    if (auto it = v->lost.find(r); it != v->lost.end() && it->second >= epoch)
+      return make_error(errc::peer_lost, fmt::format("rank {} was lost in epoch {}", r, it->second));
+    if (v->newest_epoch > epoch && !has_rank(v->newest_ranks, r))
+      return make_error(errc::peer_lost, fmt::format("epoch {} left out rank {}", v->newest_epoch, r));
+    return {};
+  };
+}
+
+supervisor::supervisor(caf::actor_system& sys, supervisor_options o, coordinator_client client,
+                       std::shared_ptr<coll::host_context> ctx)
+    : impl_(std::make_unique<impl>(sys, std::move(o), std::move(ctx))) {
+  auto c = std::make_shared<coordinator_client>(std::move(client));
+  auto v = std::make_shared<supervisor_view>();
+  v->client = c;
+  impl_->pub->v.store(std::move(v));
+  // Detached: beacons and aborts never wait behind the worker's other
+  // actors on the scheduler.
+  impl_->actor = sys.spawn<caf::detached>(supervisor_actor, impl_->o, std::move(c), impl_->pub,
+                                          impl_->dev_abort);
+}
+
+std::shared_ptr<coordinator_client> supervisor::client() const {
+  return impl_->view()->client;
+}
+
+const caf::actor& supervisor::actor() const {
+  return impl_->actor;
+}
+
+supervisor::~supervisor() {
+  stop();
+  (void) impl_->ask<bool>(std::chrono::seconds(30), shutdown_atom::value);
+}
+
+void supervisor::start() {
+  auto& I = *impl_;
+  if (auto c = coll::transfer_context(I.o.rank))
+    I.tell(give_ctx_atom::value, std::move(*c));
+  else
+    spdlog::warn("supervisor: no spare catch-up context ({}); a catch-up will make its own",
+                 describe(c.error()));
+  client()->on_control([a = I.actor](const control_message& m) {
+    caf::anon_send(a, ctl_atom::value, m);
+  });
+  I.tell(beacon_atom::value);
+}
+
+void supervisor::stop() {
+  if (impl_->stopped.exchange(true))
+    return;
+  if (auto ok = impl_->ask<bool>(std::chrono::seconds(30), stop_atom::value); !ok)
+    spdlog::warn("supervisor: stopping: {}", describe(ok.error()));
+}
+
+void supervisor::watch(const caf::actor& a, std::string what) {
+  impl_->tell(watch_atom::value, a, std::move(what));
+}
+
+void supervisor::finished(uint64_t step, const wire::report& done) {
+  impl_->tell(finished_msg{step, done});
+}
+
+void supervisor::computing(bool on) {
+  impl_->tell(computing_atom::value, on);
+}
+
+void supervisor::abort_epoch(const caf::error& why) {
+  if (auto ok = impl_->ask<bool>(std::chrono::seconds(30), abort_atom::value, why); !ok)
+    spdlog::warn("supervisor: abort: {}", describe(ok.error()));
+}
+
+void supervisor::report_divergence(const wire::replica_divergence& d) {
+  auto m = d;
+  m.incarnation = impl_->o.incarnation;
+  if (auto c = client())
+    if (auto e = c->send_divergence(m))
+      spdlog::warn("supervisor: the divergence report did not reach the coordinator: {}",
+                   describe(e));
+}
+
+uint64_t supervisor::newest_epoch() const {
+  return impl_->view()->newest_epoch;
+}
+
+void supervisor::at_boundary(const train_state& st) {
+  auto& I = *impl_;
+  I.tell(boundary_msg{st.step, {st.params.size(), st.adam_m.size(), st.adam_v.size(),
+                                st.scalars.size()}});
+  if (I.view()->snapshot_owed)
+    I.take_snapshots(st);
+}
+
+/// Copies the state into the buffers of each session that waits for it.
+void supervisor::impl::take_snapshots(const train_state& st) {
+  const auto t0 = mono_ns();
+  auto owed = ask<owed_list>(std::chrono::seconds(30), owed_atom::value);
+  if (!owed)
+    return;
+  for (auto& s : owed->sessions) {
+    const std::span<const float> from[4] = {st.params, st.adam_m, st.adam_v, st.scalars};
+    const std::array<size_t, 4> n{from[0].size(), from[1].size(), from[2].size(), from[3].size()};
+    // A size that changed since the helper prepared (it does not, within a
+    // run) gets a fresh buffer.
+    for (size_t i = 0; i < n.size(); ++i)
+      if (s.buf->parts[i].size() != n[i]) {
+        s.buf = std::make_shared<snapshot_buffers>(
+          snapshot_buffers::sized(n, page_array::pages::normal));
+        break;
+      }
+    for (size_t i = 0; i < n.size(); ++i)
+      std::copy(from[i].begin(), from[i].end(), s.buf->parts[i].begin());
+    s.step = st.step;
+    spdlog::info("supervisor: session {}: snapshot of step {} taken for rank {} ({:.1f} ms)",
+                 s.session, s.step, s.joiner, (mono_ns() - t0) / 1e6);
+    tell(taken_atom::value, std::move(s));
+  }
+}
+
+void supervisor::committed(uint64_t k, std::span<const float> update) {
+  commit_msg m{k, nullptr};
+  // Copied only while a joiner takes the stream.
+  if (impl_->view()->streaming)
+    m.update = std::make_shared<const std::vector<float>>(update.begin(), update.end());
+  impl_->tell(std::move(m));
+}
+
+expected<coll::communicator*> supervisor::enter_epoch(uint64_t after, const caf::error& why,
+                                                      train_state& st, const apply_update& apply) {
+  auto& I = *impl_;
+  const bool member_before = after != 0;
+  {
+    status_msg m;
+    m.state = why ? wire::worker_status::recovering
+              : member_before ? wire::worker_status::training
+                              : (st.step == 0 ? wire::worker_status::fresh
+                                              : wire::worker_status::ready);
+    m.step = st.step;
+    if (why && member_before) // the coordinator re-forms the epoch if no death explains this
+      m.broken = std::make_pair(after, describe(why));
+    I.tell(std::move(m));
+  }
+  for (;;) {
+    auto r = I.ask<enter_reply>(I.o.epoch_wait + std::chrono::seconds(30),
+                                enter_msg{after, member_before});
+    if (!r)
+      return r.error();
+    switch (r->what) {
+      case enter_reply::kind::error:
+        return r->err;
+      case enter_reply::kind::snapshot:
+        I.take_snapshots(st);
+        continue;
+      case enter_reply::kind::join: {
+        // On a thread of its own, so that its priority can be lowered and
+        // the trainer's thread keeps its own.
+        caf::error e;
+        std::thread([&] {
+          lower_thread_priority(I.o.catchup_nice);
+          e = I.receive(*r, st, apply);
+        }).join();
+        if (e) {
+          spdlog::warn("supervisor: catch-up session {} from rank {} failed: {}", r->assign.session,
+                       r->assign.source, describe(e));
+          // Back to square one: a fresh snapshot from a (new) source.
+          I.set_status(wire::worker_status::fresh, st.step, {}, r->assign.session);
+        } else {
+          spdlog::info("supervisor: rank {} caught up to step {} (session {})", I.o.rank, st.step,
+                       r->assign.session);
+        }
+        continue;
+      }
+      case enter_reply::kind::epoch:
+        if (auto c = I.build_epoch(r->notice, after); c || code_of(c.error()) != errc::aborted) {
+          if (c)
+            spdlog::info("supervisor: rank {} in epoch {} ({} members) at step {}", I.o.rank,
+                         r->notice.epoch, r->notice.ranks.size(), st.step);
+          return c;
+        }
+        continue;
+    }
+  }
+}
+
+/// Builds epoch `n`'s communicator and hands it to the supervisor. A build
+/// that fails moves `after` past the epoch and returns aborted: the caller
+/// waits for the next.
+expected<coll::communicator*> supervisor::impl::build_epoch(const wire::epoch_notice& n,
+                                                            uint64_t& after) {
+  // A newer epoch makes this one moot: its members may go straight to the
+  // newest they know (a joiner that caught up meanwhile, a member that heard
+  // of it before the switch), and would never publish here.
+  coll::build_status moot = [p = pub, epoch = n.epoch]() -> caf::error {
+    auto v = p->get();
+    if (v->newest_epoch > epoch)
+      return make_error(errc::aborted, fmt::format("epoch {} was superseded by epoch {} while it "
+                                                   "was built",
+                                                   epoch, v->newest_epoch));
+    return {};
+  };
+  auto c = coll::make_host_communicator(ctx, {n.epoch, n.ranks}, *view()->client,
+                                        member_status(n.epoch), o.host, std::move(moot));
+  if (!c) {
+    if (code_of(c.error()) == errc::aborted) {
+      spdlog::info("supervisor: rank {} skips epoch {}: {}", o.rank, n.epoch, describe(c.error()));
+    } else {
+      spdlog::warn("supervisor: rank {} could not build epoch {}: {}", o.rank, n.epoch,
+                   describe(c.error()));
+      // Its other members may have built it and wait for this rank.
+      status_msg m;
+      m.broken = std::make_pair(n.epoch, "could not build the epoch: " + describe(c.error()));
+      tell(std::move(m));
+    }
+    after = n.epoch;
+    return make_error(errc::aborted, "the epoch was not built");
+  }
+  std::shared_ptr<coll::communicator> made = std::move(*c);
+  comm_reg r;
+  r.what = comm_reg::kind::epoch;
+  r.c = made;
+  note_comm(std::move(r));
+  parts = {}; // the last epoch's parts, which the supervisor let go of
+  comm = std::move(made);
+  return comm.get();
+}
+
+/// This rank's catch-up as joiner: the snapshot, then the stream, from the
+/// assigned source.
+caf::error supervisor::impl::receive(const enter_reply& r, train_state& st,
+                                     const apply_update& apply) {
+  const auto& a = r.assign;
+  set_status(wire::worker_status::catching_up, {}, {}, a.session);
+  std::shared_ptr<coll::host_context> jctx;
+  if (auto spare = ask<std::shared_ptr<coll::host_context>>(std::chrono::seconds(30),
+                                                            take_ctx_atom::value);
+      spare && *spare) {
+    jctx = std::move(*spare);
+  } else if (auto fresh = coll::transfer_context(o.rank)) {
+    jctx = std::move(*fresh);
+  } else {
+    return fresh.error();
+  }
+  // Losses of the source heard of since the assignment came end the session.
+  const uint64_t losses_before = r.source_losses;
+  coll::peer_status source_status = [p = pub, losses_before](uint32_t src) -> caf::error {
+    auto v = p->get();
+    if (v->stopping)
+      return make_error(errc::closed, "the supervisor is stopping");
+    if (v->losses(src) > losses_before)
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", src));
+    if (v->newest_epoch != 0 && !has_rank(v->newest_ranks, src))
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", src));
+    return {};
+  };
+  auto c = coll::make_host_communicator(jctx, {catchup_epoch(a.session), {a.source, o.rank}},
+                                        *view()->client, source_status, catchup_host_options(o));
   if (!c)
     return c.error();
-  auto& comm = **c;
-  {
-    std::lock_guard lk(mu);
-    join_comm = &comm;
-    join_source = a.source;
-    join_losses_before = losses_before;
-    abort_if_left_out();
+  std::shared_ptr<coll::communicator> comm = std::move(*c);
+  comm_reg reg;
+  reg.what = comm_reg::kind::join;
+  reg.c = comm;
+  reg.source = a.source;
+  reg.losses_before = losses_before;
+  note_comm(std::move(reg));
+  auto e = receive_stream(*comm, st, apply);
+  comm_reg forget;
+  forget.what = comm_reg::kind::join;
+  note_comm(std::move(forget));
+  comm.reset();
+  if (!e) {
+    // Its peer is done with the context (the end marker was the last
+    // message): the next session, with another peer, needs no fresh worker.
+    jctx->quiesced();
+    tell(give_ctx_atom::value, std::move(jctx));
   }
-  struct clear_t {
-    impl* self;
-    ~clear_t() {
-      std::lock_guard lk(self->mu);
-      self->join_comm = nullptr;
-    }
-  } clear{this};
+  return e;
+}
+
+caf::error supervisor::impl::receive_stream(coll::communicator& comm, train_state& st,
+                                            const apply_update& apply) {
   int64_t hdr[2] = {0, 0};
   if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0))
     return e;
@@ -649,9 +1450,8 @@ caf::error supervisor::impl::receive(const wire::catchup_assign& a, train_state&
                       fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
                                   hdr[1], hdr[0], st.params.size()));
   // Ready for the state, then holding all of it: the words the source
-  // times the transfer by (see serve). This side's clock runs from the
-  // first word sent to the last: the state moved in between, with the
-  // source's wake-up but not its noticing the end.
+  // times the transfer by (see stream_session). This side's clock runs
+  // from the first word sent to the last.
   int64_t says = 1;
   if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
     return e;
@@ -664,19 +1464,19 @@ caf::error supervisor::impl::receive(const wire::catchup_assign& a, train_state&
   st.step = static_cast<uint64_t>(hdr[0]);
   const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
   const double mb = 3.0 * static_cast<double>(st.params.size() * sizeof(float)) / 1e6;
-  spdlog::info("supervisor: rank {} received the snapshot of step {} from rank {} (session {}): "
-               "{:.1f} MB in {:.4f} s, {:.2f} GB/s",
-               o.rank, st.step, a.source, a.session, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
+  const auto& members = comm.members().ranks;
+  spdlog::info("supervisor: rank {} received the snapshot of step {} from rank {} (session "
+               "epoch {}): {:.1f} MB in {:.4f} s, {:.2f} GB/s",
+               o.rank, st.step, members[0], comm.members().epoch, mb, secs,
+               mb / 1e3 / std::max(secs, 1e-9));
   set_status(wire::worker_status::ready, st.step);
   std::vector<float> update(st.params.size());
   for (;;) {
     // The stream ends when the source enters the epoch that admits us.
     if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0, {std::chrono::minutes(10)}))
       return e;
-    if (hdr[0] < 0) {
-      give_back.clean = true;
+    if (hdr[0] < 0)
       return {};
-    }
     if (static_cast<uint64_t>(hdr[0]) != st.step || static_cast<size_t>(hdr[1]) != update.size())
       return make_error(errc::invalid_argument,
                         fmt::format("catch-up stream sent step {} while this rank is at step {}",
@@ -690,329 +1490,83 @@ caf::error supervisor::impl::receive(const wire::catchup_assign& a, train_state&
   }
 }
 
-supervisor::supervisor(supervisor_options o, coordinator_client client, std::shared_ptr<coll::host_context> ctx)
-    : impl_(std::make_unique<impl>(std::move(o), std::move(client), std::move(ctx))) {}
-
-std::shared_ptr<coordinator_client> supervisor::client() const {
-  return impl_->client();
-}
-
-supervisor::~supervisor() {
-  stop();
-}
-
-void supervisor::start() {
-  auto* I = impl_.get();
-  if (auto c = coll::transfer_context(I->o.rank))
-    I->spare_catchup_ctx = std::move(*c);
-  else
-    spdlog::warn("supervisor: no spare catch-up context ({}); a catch-up will make its own",
-                 describe(c.error()));
-  I->client()->on_control([I](const control_message& m) { I->on_control(m); });
-  I->beacon = std::thread([I] { I->run_beacon(); });
-}
-
-void supervisor::stop() {
-  auto& I = *impl_;
-  std::vector<session_ptr> all;
-  {
-    std::lock_guard lk(I.mu);
-    if (I.stopping)
-      return;
-    I.stopping = true;
-    if (I.comm)
-      I.abort_epoch(make_error(errc::closed, "the supervisor is stopping"));
-    if (I.join_comm)
-      I.join_comm->abort(make_error(errc::closed, "the supervisor is stopping"));
-    for (auto& [id, s] : I.sessions) {
-      all.push_back(s);
-      if (s->comm)
-        s->comm->abort(make_error(errc::closed, "the supervisor is stopping"));
-    }
-  }
-  I.cv.notify_all();
-  I.client()->on_control({});
-  if (I.beacon.joinable())
-    I.beacon.join();
-  for (auto& s : all)
-    if (s->thread.joinable())
-      s->thread.join();
-}
-
-void supervisor::finished(uint64_t step, const wire::report& done) {
-  {
-    std::lock_guard lk(impl_->mu);
-    impl_->done_report = done;
-  }
-  impl_->set_status(wire::worker_status::training, step);
-  (void) impl_->client()->report(done);
-}
-
-void supervisor::computing(bool on) {
-  std::lock_guard lk(impl_->mu);
-  impl_->computing_since = on ? mono_ns() : 0;
-}
-
-void supervisor::abort_epoch(const caf::error& why) {
-  std::lock_guard lk(impl_->mu);
-  impl_->abort_epoch(why);
-}
-
-void supervisor::report_divergence(const wire::replica_divergence& d) {
-  auto m = d;
-  m.incarnation = impl_->o.incarnation;
-  if (auto c = client())
-    if (auto e = c->send_divergence(m))
-      spdlog::warn("supervisor: the divergence report did not reach the coordinator: {}",
-                   describe(e));
-}
-
-uint64_t supervisor::newest_epoch() const {
-  std::lock_guard lk(impl_->mu);
-  return impl_->newest ? impl_->newest->epoch : 0;
-}
-
-void supervisor::at_boundary(const train_state& st) {
-  auto& I = *impl_;
-  std::vector<session_ptr> start;
-  const auto t0 = mono_ns();
-  {
-    std::lock_guard lk(I.mu);
-    I.status.step = st.step;
-    if (!I.state_sizes)
-      I.cv.notify_all(); // a source may be waiting to size its buffers
-    I.state_sizes = {st.params.size(), st.adam_m.size(), st.adam_v.size(), st.scalars.size()};
-    for (auto& [id, s] : I.sessions) {
-      if (!s->want_snapshot || !s->prepared() || s->broken)
-        continue;
-      s->want_snapshot = false;
-      s->snap_step = st.step;
-      // Copies into the buffers the serving thread prepared; a size that
-      // changed since (it does not, within a run) gets a fresh buffer.
-      const std::span<const float> from[4] = {st.params, st.adam_m, st.adam_v, st.scalars};
-      const std::array<size_t, 4> n{from[0].size(), from[1].size(), from[2].size(),
-                                    from[3].size()};
-      for (size_t i = 0; i < n.size(); ++i)
-        if (s->snap.parts[i].size() != n[i]) {
-          s->snap = snapshot_buffers::sized(n, page_array::pages::normal);
-          break;
-        }
-      for (size_t i = 0; i < n.size(); ++i)
-        std::copy(from[i].begin(), from[i].end(), s->snap.parts[i].begin());
-      start.push_back(s);
-    }
-  }
-  if (start.empty())
-    return;
-  I.cv.notify_all();
-  for (auto& s : start)
-    spdlog::info("supervisor: session {}: snapshot of step {} taken for rank {} ({:.1f} ms)",
-                 s->assign.session, s->snap_step, s->assign.joiner, (mono_ns() - t0) / 1e6);
-}
-
-void supervisor::committed(uint64_t k, std::span<const float> update) {
-  auto& I = *impl_;
-  std::unique_lock lk(I.mu);
-  I.status.step = k + 1;
-  if (I.announce_commit) {
-    // The coordinator times recovery by this beacon: send it now, not at
-    // the next beacon tick.
-    I.announce_commit = false;
-    lk.unlock();
-    I.send_status();
-    lk.lock();
-  }
-  for (auto& [id, s] : I.sessions) {
-    if (s->want_snapshot || s->broken || s->end)
-      continue;
-    if (s->queue.size() >= I.o.stream_max) {
-      spdlog::warn("supervisor: rank {} fell {} steps behind its catch-up stream; cutting it off",
-                   s->assign.joiner, s->queue.size());
-      s->broken = true;
-      s->queue.clear();
-      if (s->comm)
-        s->comm->abort(make_error(errc::queue_full, "catch-up stream overflow"));
-      continue;
-    }
-    s->queue.emplace_back(k, std::vector<float>(update.begin(), update.end()));
-  }
-  I.cv.notify_all();
-}
-
-expected<coll::communicator*> supervisor::enter_epoch(uint64_t after, const caf::error& why,
-                                                 train_state& st, const apply_update& apply) {
-  auto& I = *impl_;
-  const bool member_before = after != 0;
-  if (why && member_before) {
-    // The coordinator re-forms the epoch if no death explains this.
-    std::lock_guard lk(I.mu);
-    I.note_broken(after, describe(why));
-  }
-  I.set_status(why ? wire::worker_status::recovering
-               : member_before ? wire::worker_status::training
-                               : (st.step == 0 ? wire::worker_status::fresh
-                                               : wire::worker_status::ready),
-               st.step);
-  auto deadline = clock_type::now() + I.o.epoch_wait;
-  std::unique_lock lk(I.mu);
-  for (;;) {
-    auto snapshot_owed = [&] {
-      return member_before && std::any_of(I.sessions.begin(), I.sessions.end(), [](auto& kv) {
-               return kv.second->want_snapshot && kv.second->prepared() && !kv.second->broken;
-             });
-    };
-    I.cv.wait_until(lk, deadline, [&] {
-      return I.stopping || I.failed || snapshot_owed()
-             || (!member_before && I.join && I.join->session > I.join_done)
-             || (I.newest && I.newest->epoch > after);
-    });
-    if (!I.stopping && snapshot_owed()) {
-      // A member waiting for its next epoch is at a step boundary: it can
-      // serve a joiner now (this is how a quorum lost to several deaths at
-      // once is rebuilt from the survivors).
-      lk.unlock();
-      at_boundary(st);
-      lk.lock();
-      continue;
-    }
-    if (I.stopping)
-      return make_error(errc::closed, "the supervisor stopped");
-    if (I.failed)
-      return make_error(errc::unrecoverable, I.failed->reason);
-    if (I.join && I.join->session > I.join_done && !member_before) {
-      auto a = *I.join;
-      I.join_done = a.session;
-      lk.unlock();
-      // On a thread of its own, so that its priority can be lowered and
-      // the trainer's thread keeps its own.
-      caf::error e;
-      std::thread([&] {
-        lower_thread_priority(I.o.catchup_nice);
-        e = I.receive(a, st, apply);
-      }).join();
-      if (e) {
-        spdlog::warn("supervisor: catch-up session {} from rank {} failed: {}", a.session, a.source,
-                     describe(e));
-        // Back to square one: a fresh snapshot from a (new) source.
-        I.set_status(wire::worker_status::fresh, st.step, {}, a.session);
-      } else {
-        spdlog::info("supervisor: rank {} caught up to step {} (session {})", I.o.rank, st.step,
-                     a.session);
-      }
-      deadline = clock_type::now() + I.o.epoch_wait;
-      lk.lock();
-      continue;
-    }
-    if (I.newest && I.newest->epoch > after) {
-      auto n = *I.newest;
-      if (!includes(n, I.o.rank, I.o.incarnation)) {
-        if (member_before)
-          return make_error(errc::fenced,
-                            fmt::format("rank {} (incarnation {:x}) was left out of epoch {}: {}",
-                                        I.o.rank, I.o.incarnation, n.epoch, n.reason));
-        after = n.epoch; // not ours yet: wait for a catch-up or a later epoch
-        continue;
-      }
-      // Streams to joiners admitted by this epoch end here: their last
-      // update is the one committed just before the switch.
-      for (auto& [id, s] : I.sessions)
-        if (!s->broken && has_rank(n, s->assign.joiner))
-          s->end = true;
-      I.cv.notify_all();
-      lk.unlock();
-      auto cl = I.client();
-      // A newer epoch makes this one moot: its members may go straight to
-      // the newest they know (a joiner that caught up meanwhile, a member
-      // that heard of it before the switch), and would never publish here.
-      coll::build_status moot = [&I, epoch = n.epoch]() -> caf::error {
-        std::lock_guard lk(I.mu);
-        if (I.newest && I.newest->epoch > epoch)
-          return make_error(errc::aborted,
-                            fmt::format("epoch {} was superseded by epoch {} while it was built",
-                                        epoch, I.newest->epoch));
-        return {};
-      };
-      auto c = coll::make_host_communicator(I.ctx, {n.epoch, n.ranks}, *cl,
-                                            I.member_status(n.epoch), I.o.host, std::move(moot));
-      lk.lock();
-      if (!c) {
-        if (code_of(c.error()) == errc::aborted)
-          spdlog::info("supervisor: rank {} skips epoch {}: {}", I.o.rank, n.epoch, describe(c.error()));
-        else {
-          spdlog::warn("supervisor: rank {} could not build epoch {}: {}", I.o.rank, n.epoch,
-                       describe(c.error()));
-          // Its other members may have built it and wait for this rank.
-          I.note_broken(n.epoch, "could not build the epoch: " + describe(c.error()));
-          lk.unlock();
-          I.send_status();
-          lk.lock();
-        }
-        after = n.epoch;
-        deadline = clock_type::now() + I.o.epoch_wait;
-        continue;
-      }
-      for (auto& p : I.parts)
-        p.reset(); // the last epoch's parts (the trainer is done with them)
-      I.comm = std::move(*c);
-      I.abort_if_left_out(); // an epoch newer still may have come meanwhile
-      I.status.state = wire::worker_status::training;
-      I.status.epoch = n.epoch;
-      I.status.session = 0;
-      I.announce_commit = true;
-      lk.unlock();
-      I.send_status();
-      spdlog::info("supervisor: rank {} in epoch {} ({} members) at step {}", I.o.rank, n.epoch,
-                   n.ranks.size(), st.step);
-      return I.comm.get();
-    }
-    if (clock_type::now() >= deadline)
-      return make_error(errc::timeout,
-                        fmt::format("rank {}: no epoch after {} within {} s", I.o.rank, after,
-                                    std::chrono::duration_cast<std::chrono::seconds>(I.o.epoch_wait)
-                                      .count()));
-  }
-}
-
 expected<coll::communicator*> supervisor::sub_communicator(size_t slot, coll::membership part) {
   auto& I = *impl_;
   CMESH_CHECK_LT(slot, I.parts.size());
-  coll::communicator* world = nullptr;
-  std::shared_ptr<coll::host_context> ctx;
-  uint64_t epoch = 0;
-  {
-    std::lock_guard lk(I.mu);
-    if (!I.comm)
-      return make_error(errc::invalid_argument, "no epoch to split");
-    world = I.comm.get();
-    epoch = world->members().epoch;
-    if (!I.part_ctx[slot]) {
-      auto c = coll::host_context::create(I.o.rank);
-      if (!c)
-        return c.error();
-      I.part_ctx[slot] = std::move(*c);
-    }
-    ctx = I.part_ctx[slot];
+  if (!I.comm)
+    return make_error(errc::invalid_argument, "no epoch to split");
+  auto* world = I.comm.get();
+  if (!I.part_ctx[slot]) {
+    auto c = coll::host_context::create(I.o.rank);
+    if (!c)
+      return c.error();
+    I.part_ctx[slot] = std::move(*c);
   }
-  auto c = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
-                                           I.o.host);
+  auto c = coll::make_host_subcommunicator(*world, I.part_ctx[slot], std::move(part),
+                                           I.member_status(world->members().epoch), I.o.host);
   if (!c)
     return c.error();
-  std::lock_guard lk(I.mu);
-  I.parts[slot] = std::move(*c);
-  // A loss or a newer epoch that came while it was built reaches it too.
+  std::shared_ptr<coll::communicator> made = std::move(*c);
+  comm_reg r;
+  r.what = comm_reg::kind::part;
+  r.slot = slot;
+  r.c = made;
+  I.note_comm(std::move(r)); // a loss or a newer epoch that came meanwhile reaches it there
   if (auto p = world->poisoned())
-    I.parts[slot]->abort(p);
-  I.abort_if_left_out();
+    made->abort(p);
+  I.parts[slot] = std::move(made);
   return I.parts[slot].get();
 }
-
-} // namespace cmesh::actors
-
-namespace cmesh::actors {
 
 bool supervisor::has_device_collectives() const {
   return impl_->o.device_collectives != supervisor_options::device_kind::none;
 }
+
+#ifdef CMESH_HAVE_NCCL
+namespace {
+
+/// An NCCL communicator of `part` of epoch `world`. The first member of
+/// the part makes its unique id; every member sends [made, 16 words of id]
+/// (zeros unless it made one) to every other over the epoch's host
+/// communicator and takes its part's.
+expected<std::unique_ptr<coll::communicator>>
+make_nccl_part(coll::communicator& world, coll::membership part, const supervisor_options& o,
+               uint64_t epoch, size_t slot, std::atomic<bool>* abort_flag,
+               coll::peer_status status) {
+  constexpr size_t words = 1 + sizeof(coll::nccl_unique_id) / sizeof(int64_t);
+  static_assert(sizeof(coll::nccl_unique_id) % sizeof(int64_t) == 0);
+  const size_t n = world.size(), me = world.index();
+  std::vector<int64_t> msgs(n * words, 0);
+  std::string why;
+  if (part.ranks[0] == o.rank) {
+    if (auto id = coll::make_nccl_unique_id()) {
+      msgs[me * words] = 1;
+      std::memcpy(&msgs[me * words + 1], id->data(), id->size());
+    } else {
+      why = describe(id.error());
+    }
+  }
+  std::vector<int64_t> mine(msgs.begin() + static_cast<ptrdiff_t>(me * words),
+                            msgs.begin() + static_cast<ptrdiff_t>((me + 1) * words));
+  if (auto e = world.all_gather(mine.data(), msgs.data(), std::vector<size_t>(n, words),
+                                 coll::dtype::int64))
+    return e;
+  const size_t leader = world.members().index_of(part.ranks[0]);
+  if (leader == n || msgs[leader * words] != 1)
+    return make_error(errc::transport_failure,
+                      fmt::format("epoch {}: rank {} could not make an NCCL unique id{}", epoch,
+                                  part.ranks[0], why.empty() ? "" : ": " + why));
+  coll::nccl_unique_id id{};
+  std::memcpy(id.data(), &msgs[leader * words + 1], id.size());
+  coll::nccl_options no;
+  no.device = o.device;
+  no.abort_flag = abort_flag;
+  no.name = fmt::format("cmesh-epoch-{}-{}", epoch, slot == 0 ? "group" : "cross");
+  return coll::make_nccl_communicator(std::move(part), o.rank, id, std::move(status), no);
+}
+
+} // namespace
+#endif
 
 expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll::membership part) {
   auto& I = *impl_;
@@ -1024,74 +1578,38 @@ expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll:
   if (part.index_of(I.o.rank) == members)
     return make_error(errc::invalid_argument,
                       fmt::format("rank {} is not in the part it asked for", I.o.rank));
-  coll::communicator* world = nullptr;
-  uint64_t epoch = 0;
-  std::shared_ptr<coll::host_context> ctx;
-  std::unique_ptr<coll::communicator> old; // destroyed outside the lock
-  {
-    std::lock_guard lk(I.mu);
-    if (!I.comm)
-      return make_error(errc::invalid_argument, "no epoch for a device communicator");
-    world = I.comm.get();
-    epoch = world->members().epoch;
-    auto& d = I.devs[slot];
-    if (d && I.dev_epochs[slot] == epoch && d->members().ranks == part.ranks)
-      return d.get();
-    old = std::move(d);
-    // A loss that ends this epoch while its communicator is built poisons
-    // `world` (the exchange below fails) or is caught after it (below).
-    I.dev_abort.store(false);
-    if (I.o.device_collectives == kind::host && !I.dev_ctx[slot]) {
-      auto c = coll::host_context::create(I.o.rank);
-      if (!c)
-        return c.error();
-      I.dev_ctx[slot] = std::move(*c);
-    }
-    ctx = I.dev_ctx[slot];
+  if (!I.comm)
+    return make_error(errc::invalid_argument, "no epoch for a device communicator");
+  coll::communicator* world = I.comm.get();
+  const uint64_t epoch = world->members().epoch;
+  if (auto& d = I.devs[slot]; d && I.dev_epochs[slot] == epoch && d->members().ranks == part.ranks)
+    return d.get();
+  if (I.devs[slot]) {
+    comm_reg forget;
+    forget.what = comm_reg::kind::device;
+    forget.slot = slot;
+    I.note_comm(std::move(forget));
+    I.devs[slot].reset();
   }
-  old.reset();
+  // A loss that ends this epoch while its communicator is built poisons
+  // `world` (the exchange below fails) or is caught after it (below).
+  I.dev_abort->store(false);
+  if (I.o.device_collectives == kind::host && !I.dev_ctx[slot]) {
+    auto c = coll::host_context::create(I.o.rank);
+    if (!c)
+      return c.error();
+    I.dev_ctx[slot] = std::move(*c);
+  }
   const int64_t t0 = mono_ns();
   expected<std::unique_ptr<coll::communicator>> made =
     make_error(errc::invalid_argument, "no device collectives in this build");
   if (I.o.device_collectives == kind::host) {
-    made = coll::make_host_subcommunicator(*world, ctx, std::move(part), I.member_status(epoch),
-                                           I.o.host);
+    made = coll::make_host_subcommunicator(*world, I.dev_ctx[slot], std::move(part),
+                                           I.member_status(epoch), I.o.host);
   } else {
 #ifdef CMESH_HAVE_NCCL
-    // The first member of each part makes its unique id; every member
-    // sends [made, 16 words of id] (zeros unless it made one) to every
-    // other over the epoch's host communicator and takes its part's.
-    constexpr size_t words = 1 + sizeof(coll::nccl_unique_id) / sizeof(int64_t);
-    static_assert(sizeof(coll::nccl_unique_id) % sizeof(int64_t) == 0);
-    const size_t n = world->size(), me = world->index();
-    std::vector<int64_t> msgs(n * words, 0);
-    std::string why;
-    if (part.ranks[0] == I.o.rank) {
-      if (auto id = coll::make_nccl_unique_id()) {
-        msgs[me * words] = 1;
-        std::memcpy(&msgs[me * words + 1], id->data(), id->size());
-      } else {
-        why = describe(id.error());
-      }
-    }
-    std::vector<int64_t> mine(msgs.begin() + static_cast<ptrdiff_t>(me * words),
-                              msgs.begin() + static_cast<ptrdiff_t>((me + 1) * words));
-    if (auto e = world->all_gather(mine.data(), msgs.data(), std::vector<size_t>(n, words),
-                                   coll::dtype::int64))
-      return e;
-    const size_t leader = world->members().index_of(part.ranks[0]);
-    if (leader == n || msgs[leader * words] != 1)
-      return make_error(errc::transport_failure,
-                        fmt::format("epoch {}: rank {} could not make an NCCL unique id{}", epoch,
-                                    part.ranks[0], why.empty() ? "" : ": " + why));
-    coll::nccl_unique_id id{};
-    std::memcpy(id.data(), &msgs[leader * words + 1], id.size());
-    coll::nccl_options no;
-    no.device = I.o.device;
-    no.abort_flag = &I.dev_abort;
-    no.name = fmt::format("cmesh-epoch-{}-{}", epoch, slot == 0 ? "group" : "cross");
-    made = coll::make_nccl_communicator(std::move(part), I.o.rank, id, I.member_status(epoch),
-                                        no);
+    made = make_nccl_part(*world, std::move(part), I.o, epoch, slot, I.dev_abort.get(),
+                          I.member_status(epoch));
 #endif
   }
   if (!made)
@@ -1100,14 +1618,17 @@ expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll:
                "{:.1f} ms",
                I.o.rank, epoch, slot, I.o.device_collectives == kind::host ? "host backend" : "NCCL",
                members, static_cast<double>(mono_ns() - t0) / 1e6);
-  std::lock_guard lk(I.mu);
-  auto& d = I.devs[slot];
-  d = std::move(*made);
-  I.dev_epochs[slot] = epoch;
+  std::shared_ptr<coll::communicator> d = std::move(*made);
+  comm_reg r;
+  r.what = comm_reg::kind::device;
+  r.slot = slot;
+  r.c = d;
+  I.note_comm(std::move(r));
   if (auto p = world->poisoned())
     d->abort(p);
-  I.abort_if_left_out();
-  return d.get();
+  I.devs[slot] = std::move(d);
+  I.dev_epochs[slot] = epoch;
+  return I.devs[slot].get();
 }
 
 } // namespace cmesh::actors

@@ -1,24 +1,39 @@
 // The worker's supervisor: between a rank's trainer and the coordinator.
 //
-// It beacons the rank's status to the coordinator (worker_status, every
-// beacon interval and on each change: the coordinator's heartbeat), receives
-// its pushes (epoch_notice, catchup_assign) on the client's I/O thread, and:
-//   - aborts the running communicator the moment an epoch arrives that
-//     leaves out one of its members (nobody waits for a library timeout);
-//   - hands the trainer the communicator of each epoch it is a member of
-//     (enter_epoch), built on the process's host context under the epoch's
-//     own rendezvous namespace; a rank left out of an epoch it belonged to
-//     is fenced (errc::fenced) and must restart as a new incarnation;
-//   - as a catch-up source: copies a snapshot of its state at the next step
-//     boundary (a memcpy on the trainer's thread) and sends it to the joiner
-//     from a thread of its own, then streams every committed update after
-//     it, until it switches to an epoch that includes the joiner (the end of
-//     the stream). Training does not wait for any of this. The stream is a
-//     bounded queue: a joiner that falls stream_max steps behind is cut off
-//     and asks again.
-//   - as a joiner: receives the snapshot and the stream, reports `ready`
-//     (the coordinator admits it to the next epoch), and enters that epoch
-//     when the stream ends.
+// An event-based CAF actor (supervisor_actor, in the worker's actor system)
+// owns all of its state; nothing else touches it. Coordinator pushes
+// (epoch_notice, catchup_assign) arrive as messages from the client's I/O
+// thread; the beacon and the step watchdog are a timer of its own; a lost
+// coordinator is reconnected by a helper that reports back by message. The
+// `supervisor` class is the trainer's side of it: every call is a message
+// to the actor (a request where the trainer needs the answer), and the
+// blocking work (building a communicator, receiving a catch-up) runs on the
+// trainer's thread between messages. Communicator threads read a published
+// immutable view of the actor's state (who was lost, the newest epoch).
+//
+// The actor:
+//   - beacons the rank's status to the coordinator (worker_status, every
+//     beacon interval and on each change: the coordinator's heartbeat);
+//   - aborts the running communicators the moment an epoch arrives that
+//     leaves out one of their members (nobody waits for a library timeout);
+//   - answers the trainer's enter_epoch with what comes next: the epoch to
+//     build (its members; a rank left out of an epoch it belonged to is
+//     fenced, errc::fenced, and must restart as a new incarnation), a
+//     catch-up to receive, a snapshot owed to a joiner, or an error;
+//   - as a catch-up source: spawns a helper actor per joiner that prepares
+//     snapshot buffers and a communicator, is handed a copy of the state at
+//     the next step boundary (a memcpy on the trainer's thread), sends it,
+//     and streams every committed update the supervisor forwards, until the
+//     supervisor ends the stream (the epoch that includes the joiner).
+//     Training does not wait for any of this. The stream is bounded: a
+//     joiner that falls stream_max steps behind is cut off and asks again.
+//   - as a joiner: the trainer's thread receives the snapshot and the
+//     stream, reports `ready` (the coordinator admits it to the next epoch),
+//     and enters that epoch when the stream ends;
+//   - monitors the worker's other local actors (watch): one that dies with
+//     an error is reported to the coordinator and the process ends
+//     (exit_actor_failed), so that the survivors go on and the launcher
+//     restarts the rank.
 //
 // Catch-up sessions run a two-member host communicator on a host context of
 // their own (one UCP worker per session, so the trainer's worker is never
@@ -32,9 +47,12 @@
 #include "transport/bootstrap.hpp"
 #include "transport/transport.hpp"
 
+#include <caf/fwd.hpp>
+
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <string>
 
 namespace cmesh::actors {
 
@@ -82,17 +100,29 @@ uint64_t catchup_epoch(uint64_t session);
 
 /// Exit code of a worker that its step watchdog found hung.
 constexpr int exit_hung = 5;
+/// Exit code of a worker one of whose local actors (watch) died.
+constexpr int exit_actor_failed = 6;
 
 class supervisor final : public supervision {
 public:
-  /// Takes over the worker's coordinator connection.
-  supervisor(supervisor_options o, coordinator_client client, std::shared_ptr<coll::host_context> ctx);
+  /// Takes over the worker's coordinator connection; the actor lives in
+  /// `sys`, which must outlive this object.
+  supervisor(caf::actor_system& sys, supervisor_options o, coordinator_client client,
+             std::shared_ptr<coll::host_context> ctx);
   ~supervisor() override;
 
   /// Installs the control handler and starts beaconing.
   void start();
-  /// Stops beaconing and every catch-up session; idempotent.
+  /// Stops beaconing and every catch-up session, and aborts what the
+  /// trainer waits on; idempotent. Callable from any thread.
   void stop();
+
+  /// Supervises a local actor of this worker: if it dies with an error,
+  /// the rank is reported failed and the process ends (exit_actor_failed).
+  void watch(const caf::actor& a, std::string what);
+
+  /// The supervisor actor (for tests and for the worker's other actors).
+  const caf::actor& actor() const;
 
   /// The trainer has finished at `step`: beacons say so until stop(), and
   /// `done` is reported (again to a coordinator that restarts meanwhile).

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <atomic>
+#include <stdexcept>
 #include <chrono>
 #include <deque>
 #include <map>
@@ -37,6 +38,7 @@ namespace {
 
 std::atomic<bool> hang_requested{false};
 std::atomic<int> faults_requested{0};
+std::atomic<bool> crash_requested{false};
 std::atomic<bool> stop_requested{false};
 std::atomic<int> flips_requested{0};
 
@@ -103,6 +105,10 @@ void request_hang() {
 
 void request_fault() {
   faults_requested.fetch_add(1, std::memory_order_relaxed);
+}
+
+void request_crash() {
+  crash_requested.store(true, std::memory_order_relaxed);
 }
 
 void request_stop() {
@@ -728,6 +734,8 @@ void trainer::loop::boundary(step_ctx& s) {
     I.sup->at_boundary(st);
   if (I.o.listener)
     I.o.listener->at_boundary(st);
+  if (crash_requested.exchange(false, std::memory_order_relaxed))
+    throw std::runtime_error(fmt::format("injected crash at step {} (chaos crash)", s.step));
   if (faults_requested.load(std::memory_order_relaxed) == 0)
     return;
   faults_requested.fetch_sub(1, std::memory_order_relaxed);

@@ -233,6 +233,11 @@ void request_flip();
 /// on; each call fails one more attempt. Async-signal-safe.
 void request_fault();
 
+/// Chaos: the trainer actor dies with an error (throws) at its next step
+/// boundary, as a bug would make it; the worker's supervisor actor, which
+/// monitors it, reports the rank failed. Async-signal-safe.
+void request_crash();
+
 /// Sees this rank's committed steps, on the trainer's thread (the
 /// checkpoint shadow's feed: actors/checkpoint.hpp). Must not block.
 class commit_listener {

@@ -324,6 +324,8 @@ std::string exit_text(int status) {
     return "fenced out of the job (exit 4)";
   if (exit_code_of(status) == actors::exit_hung)
     return "hung: ended by its step watchdog (exit 5)";
+  if (exit_code_of(status) == actors::exit_actor_failed)
+    return "a local actor died: ended by its supervisor (exit 6)";
   return describe_wait_status(status);
 }
 
@@ -391,9 +393,12 @@ int run_worker(const job_options& job) {
     sigaction(SIGUSR1, &sa, nullptr);
     sa.sa_handler = [](int) { actors::request_fault(); };
     sigaction(SIGUSR2, &sa, nullptr);
-    // SIGRTMIN flips a bit of its weights (flip@STEP:RANK).
+    // SIGRTMIN flips a bit of its weights (flip@STEP:RANK), SIGRTMIN+1
+    // makes its actor die with an error (crash@STEP:RANK).
     sa.sa_handler = [](int) { actors::request_flip(); };
     sigaction(SIGRTMIN, &sa, nullptr);
+    sa.sa_handler = [](int) { actors::request_crash(); };
+    sigaction(SIGRTMIN + 1, &sa, nullptr);
     // SIGTERM (a scheduler's preemption or cancel, cmesh launch passing on
     // a Ctrl-C) and SIGINT stop training after a step every member agrees
     // on, checkpointed; a worker not training by then ends 60 s later
@@ -818,6 +823,9 @@ struct launch_chaos {
         return true;
       case chaos::action_kind::flip:
         w.signal(a.rank, SIGRTMIN, "SIGRTMIN (flip)", step);
+        return true;
+      case chaos::action_kind::crash:
+        w.signal(a.rank, SIGRTMIN + 1, "SIGRTMIN+1 (crash)", step);
         return true;
       default:
         break;

@@ -279,6 +279,26 @@ expected<int> await_shutdown(actors::supervisor& sup, std::chrono::seconds timeo
   }
 }
 
+/// The trainer actor's work: the model built on its device, then the run.
+expected<actors::train_result> build_and_train(caf::actor_system& sys, joined_mesh& j,
+                                               const model::run_config& config,
+                                               const shadow_flags& shadow, size_t replicas,
+                                               actors::supervisor& sup, commit_sinks& sinks,
+                                               actors::trainer_options opts,
+                                               std::shared_ptr<const model::corpus> data) {
+  const auto rank = static_cast<uint32_t>(j.place.rank);
+  const auto& d = opts.config.train.device;
+  const auto where = d == "cuda"       ? model::compute_device::cuda
+                     : d == "emulated" ? model::compute_device::emulated
+                                       : model::compute_device::cpu;
+  auto net = model::make_moe_lm_on(opts.config.model, where, rank);
+  if (!net)
+    return net.error();
+  opts.listener = sinks.make(sys, j, config, shadow, **net, replicas);
+  actors::trainer t(opts, std::move(*net), std::move(data), sup, rank);
+  return t.run();
+}
+
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
@@ -297,9 +317,14 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   auto ctx = coll::host_context::create(rank);
   if (!ctx)
     return report_failure(ctx.error());
+  // One actor system per worker: the supervisor, the trainer, the
+  // checkpoint shadow and the mesh's proxies live in it.
+  caf::actor_system_config sys_cfg;
+  tune_actor_system(sys_cfg, 1);
+  caf::actor_system sys{sys_cfg};
   // The supervisor owns the coordinator connection from here on (it
   // reconnects to a coordinator that restarts).
-  actors::supervisor sup(supervisor_options_of(j, config, step_timeout, catchup_nice),
+  actors::supervisor sup(sys, supervisor_options_of(j, config, step_timeout, catchup_nice),
                          std::move(j.coordinator), *ctx);
   sup.start();
   auto report_failure_late = [&](const caf::error& e) {
@@ -322,10 +347,8 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   };
   if (shadow.resume)
     opts.load = loader_of(*shadow.resume);
-  // The trainer runs in its own (detached) actor; this thread waits for it.
-  caf::actor_system_config sys_cfg;
-  tune_actor_system(sys_cfg, 1);
-  caf::actor_system sys{sys_cfg};
+  // The trainer runs in its own (detached) actor, which the supervisor
+  // watches; this thread waits for it.
   // The actor mesh: the transport's detector runs, and its peers follow the
   // membership (the supervisor dials them). No actor publishes on it yet.
   mesh actor_mesh(sys, *j.net);
@@ -334,20 +357,16 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   commit_sinks sinks;
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
-  spawn_blocking(sys, [&, done, opts, data = *data](caf::blocking_actor*) mutable {
-    const auto& d = opts.config.train.device;
-    const auto where = d == "cuda"       ? model::compute_device::cuda
-                       : d == "emulated" ? model::compute_device::emulated
-                                         : model::compute_device::cpu;
-    auto net = model::make_moe_lm_on(opts.config.model, where, rank);
-    if (!net) {
-      done->set_value(net.error());
-      return;
+  auto trainer_actor = spawn_blocking(sys, [&, done, opts, data = *data](caf::blocking_actor* self) {
+    // An exception (a bug) ends the actor with its reason, for the
+    // supervisor that watches it.
+    try {
+      done->set_value(build_and_train(sys, j, config, shadow, replicas, sup, sinks, opts, data));
+    } catch (const std::exception& e) {
+      self->fail_state(make_error(errc::crashed, e.what()));
     }
-    opts.listener = sinks.make(sys, j, config, shadow, **net, replicas);
-    actors::trainer t(opts, std::move(*net), data, sup, rank);
-    done->set_value(t.run());
   });
+  sup.watch(trainer_actor, "trainer");
   auto waited = wait_trainer(sup, fut, rank, timeout);
   if (auto* ended = std::get_if<std::optional<int>>(&waited); ended && *ended)
     return **ended;

@@ -26,6 +26,7 @@ std::string_view to_string(errc x) {
     case errc::fenced: return "fenced";
     case errc::unrecoverable: return "unrecoverable";
     case errc::corrupt: return "corrupt";
+    case errc::crashed: return "crashed";
   }
   return "unknown_error";
 }

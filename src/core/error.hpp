@@ -35,6 +35,7 @@ enum class errc : uint8_t {
   fenced = 17,            // this incarnation was left out of the epoch: it must restart
   unrecoverable = 18,     // no epoch can form: a restart from a checkpoint is needed
   corrupt = 19,           // stored data fails its checks: a checksum, a size, a manifest
+  crashed = 20,           // a local actor died of an unexpected error (an exception: a bug)
 };
 
 /// CAF error category of every cmesh error.
