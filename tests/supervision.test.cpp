@@ -69,13 +69,14 @@ struct job {
 };
 
 /// A job of `n` steps, in exact mode unless `exact` is false.
-job launch(const std::string& args, bool exact = true, int n = steps) {
+job launch(const std::string& args, bool exact = true, int n = steps,
+           const std::vector<std::pair<std::string, std::string>>& env = {}) {
   auto path = "/tmp/cmesh_recovery_" + std::to_string(getpid()) + ".jsonl";
   std::remove(path.c_str());
   job j;
   j.r = run_cmesh(std::string("launch ") + (exact ? "--exact " : "") + "--steps "
                     + std::to_string(n) + " --log-every 20 --events " + path + " " + args,
-                  {}, 300s);
+                  env, 300s);
   j.events = read_events(path);
   std::remove(path.c_str());
   return j;
@@ -488,12 +489,27 @@ TEST_CASE("checkpoint shadow: every rank's shadow equals its trainer's state at 
 }
 
 TEST_CASE("SIGSTOP past the heartbeat bound: treated as failed, fenced after SIGCONT") {
-  auto j = launch("-n 3 --restart-delay-ms 100 --heartbeat-timeout-ms 800 --chaos stop@5:2:1500");
+  // Found by whichever detector's bound is shorter: a survivor's transport
+  // (800 ms) reports it and the coordinator, which has not heard from it
+  // for a third of its own bound, agrees; or the coordinator's beacons.
+  std::string args, found_by;
+  std::vector<std::pair<std::string, std::string>> env;
+  SUBCASE("the transport's detector, through a survivor's supervisor") {
+    args = "--chaos stop@5:2:2500";
+    found_by = "transport lost it (peer_unresponsive";
+  }
+  SUBCASE("the coordinator's beacons") {
+    args = "--heartbeat-timeout-ms 800 --chaos stop@5:2:1500";
+    env = {{"CMESH_HEARTBEAT_TIMEOUT_MS", "5000"}};
+    found_by = "silent";
+  }
+  CAPTURE(args);
+  auto j = launch("-n 3 --restart-delay-ms 100 " + args, true, steps, env);
   INFO(j.r.output);
   REQUIRE(j.r.exit_code == 0);
   auto& ev = j.events;
-  int lost = find_event(ev, 0, "worker_lost", [](auto& e) {
-    return e.num("rank") == 2 && e.field("reason").find("silent") != std::string::npos;
+  int lost = find_event(ev, 0, "worker_lost", [&](auto& e) {
+    return e.num("rank") == 2 && e.field("reason").find(found_by) != std::string::npos;
   });
   REQUIRE(lost >= 0);
   int shrink = find_event(ev, lost, "epoch", [](auto& e) { return e.field("left") == "[2]"; });

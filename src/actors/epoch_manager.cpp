@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
 #include <limits>
 #include <map>
@@ -128,6 +129,17 @@ struct epoch_manager::impl {
   void credit_stall(int64_t now);
   void apply(recovery::quorum_decision d, int64_t now);
   void lost(uint32_t rank, worker& w, const std::string& why, int64_t now);
+  void on_peer_report(uint32_t reporter, const std::string& value, int64_t now);
+  /// Members found dead since the last decision, with the notice that
+  /// tells their peers: sent only if that decision's epoch did not leave
+  /// them out already (one death, one notice).
+  struct loss {
+    uint32_t rank = 0;
+    uint64_t incarnation = 0;
+    wire::epoch_notice notice;
+  };
+  std::vector<loss> unannounced;
+  void announce_losses();
 
   /// The notice of the current epoch: its ranks and their incarnations.
   wire::epoch_notice current_notice(std::string reason) const {
@@ -180,16 +192,55 @@ void epoch_manager::impl::lost(uint32_t rank, worker& w, const std::string& why,
   if (member) {
     failure_at(now);
     ++stats.ranks_lost;
-    // Its peers stop waiting for it now, even if no new epoch can form yet.
+    // Its peers stop waiting for it once the next decision is made: by the
+    // epoch that leaves it out, or, if none can form yet, by a notice of
+    // the loss (announce_losses).
     auto n = current_notice(fmt::format("rank {} lost: {}", rank, why));
     n.lost = {rank};
-    coord.send_control(std::nullopt, n);
+    unannounced.push_back({rank, w.incarnation, std::move(n)});
   }
   say(fmt::format("rank {} lost{}: {}", rank, member ? "" : " (not a member)", why));
   log->emit("worker_lost", {{"rank", uint64_t{rank}},
                             {"incarnation", w.incarnation},
                             {"member", member},
                             {"reason", why}});
+}
+
+void epoch_manager::impl::announce_losses() {
+  for (auto& l : unannounced)
+    if (is_member(l.rank, l.incarnation))
+      coord.send_control(std::nullopt, l.notice);
+  unannounced.clear();
+}
+
+/// A worker's transport lost a peer ("RANK INCARNATION REASON"): believed
+/// only where the coordinator's own view agrees (recovery::weigh_peer_report).
+void epoch_manager::impl::on_peer_report(uint32_t reporter, const std::string& value,
+                                         int64_t now) {
+  uint32_t suspect = 0;
+  uint64_t inc = 0;
+  const char* end = value.data() + value.size();
+  auto [p1, e1] = std::from_chars(value.data(), end, suspect);
+  auto [p2, e2] = e1 == std::errc{} && p1 != end ? std::from_chars(p1 + 1, end, inc)
+                                                 : std::from_chars_result{p1, std::errc::invalid_argument};
+  if (e1 != std::errc{} || e2 != std::errc{}) {
+    log->note(fmt::format("epoch manager: a malformed peer report from rank {}: '{}'", reporter,
+                          value.substr(0, 80)));
+    return;
+  }
+  const std::string why = p2 != end ? std::string(p2 + 1, end) : std::string();
+  auto verdict = recovery::weigh_peer_report(roster(), member_ranks, reporter, suspect, inc, now,
+                                             o.quorum.heartbeat_timeout_ms / 3);
+  if (verdict == recovery::peer_report_verdict::lost) {
+    lost(suspect, workers[suspect], fmt::format("rank {}'s transport lost it ({})", reporter, why),
+         now);
+  } else if (verdict == recovery::peer_report_verdict::heard_from) {
+    log->emit("peer_report", {{"reporter", uint64_t{reporter}},
+                              {"rank", uint64_t{suspect}},
+                              {"incarnation", inc},
+                              {"believed", false},
+                              {"reason", why}});
+  }
 }
 
 /// The first commit of the current epoch by a member: the epoch's start
@@ -306,7 +357,10 @@ void epoch_manager::impl::on_event(const worker_event& ev) {
       lost(ev.rank, w, "disconnected", now);
       break;
     case worker_event::type::report:
-      return;
+      if (ev.report.key != "peer_lost")
+        return;
+      on_peer_report(ev.rank, ev.report.value, now);
+      break;
     case worker_event::type::divergence:
       on_divergence(ev.rank, ev.divergence, now);
       break;
@@ -564,6 +618,7 @@ void epoch_manager::impl::run() {
     dirty = false;
     auto now = now_ms();
     decide(now);
+    announce_losses();
     assign_catch_ups(now);
   }
 }

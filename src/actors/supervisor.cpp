@@ -5,6 +5,7 @@
 #include "core/pages.hpp"
 #include "core/spawn.hpp"
 #include "transport/join.hpp"
+#include "transport/mesh.hpp"
 #ifdef CMESH_HAVE_NCCL
 #include "collectives/nccl/nccl_communicator.hpp"
 #endif
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <thread>
 #include <unistd.h>
@@ -311,8 +313,10 @@ struct supervisor_state {
   std::optional<waiter> waiting; // the trainer's enter_epoch, until it can be answered
   uint64_t waits = 0;
   std::map<caf::actor_addr, std::string> watched;
+  std::set<std::pair<uint32_t, uint64_t>> reported; // peers reported lost
 
   void publish();
+  void on_peer_down(uint32_t rank, uint64_t incarnation, const std::string& why);
   void send_status();
   void apply_status(const status_msg& m);
   void beacon();
@@ -751,6 +755,22 @@ void supervisor_state::stop() {
   answer();
 }
 
+/// The transport fenced a peer: a member of the newest epoch is reported
+/// to the coordinator once, which weighs it against what it hears itself
+/// (recovery::weigh_peer_report) and, if it agrees, leaves it out of the
+/// next epoch. Peers that are not members (a superseded incarnation, a
+/// joiner) and losses at the end of the job are not reported.
+void supervisor_state::on_peer_down(uint32_t rank, uint64_t incarnation, const std::string& why) {
+  if (stopping || done_report || incarnation == 0 || rank == o.rank)
+    return;
+  if (!newest || !includes(*newest, rank, incarnation) || !reported.emplace(rank, incarnation).second)
+    return;
+  spdlog::warn("supervisor: rank {}'s transport lost rank {} (incarnation {:x}): {}; reported", o.rank,
+               rank, incarnation, why);
+  (void) client->report({o.rank, "peer_lost", fmt::format("{} {} {}", rank, incarnation, why),
+                         mono_ns()});
+}
+
 /// A watched local actor that dies with an error takes the rank with it:
 /// the coordinator hears of it at once, the survivors go on, and the
 /// launcher restarts this rank as a new incarnation.
@@ -893,6 +913,9 @@ caf::message_handler lifecycle(supervisor_self* self) {
       (void) S.client->report(m.done);
     },
     [self](const reconnected_msg& m) { self->state.on_reconnected(m.c); },
+    [self](peer_down_atom, uint32_t rank, uint64_t incarnation, const std::string& why) {
+      self->state.on_peer_down(rank, incarnation, why);
+    },
     [self](watch_atom, const caf::actor& a, const std::string& what) {
       self->monitor(a);
       self->state.watched[a.address()] = what;

@@ -347,14 +347,16 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   };
   if (shadow.resume)
     opts.load = loader_of(*shadow.resume);
-  // The trainer runs in its own (detached) actor, which the supervisor
-  // watches; this thread waits for it.
-  // The actor mesh: the transport's detector runs, and its peers follow the
-  // membership (the supervisor dials them). No actor publishes on it yet.
+  // The actor mesh: the transport's detector runs and reports to the
+  // supervisor, and its peers follow the membership (the supervisor dials
+  // them). No actor publishes on it yet.
   mesh actor_mesh(sys, *j.net);
+  actor_mesh.watch_peers(sup.actor());
   if (auto e = j.net->start())
     return report_failure_late(e);
   commit_sinks sinks;
+  // The trainer runs in its own (detached) actor, which the supervisor
+  // watches; this thread waits for it.
   auto done = std::make_shared<std::promise<expected<actors::train_result>>>();
   auto fut = done->get_future();
   auto trainer_actor = spawn_blocking(sys, [&, done, opts, data = *data](caf::blocking_actor* self) {

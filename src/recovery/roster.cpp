@@ -69,6 +69,23 @@ std::vector<uint32_t> silent_members(const roster& r, const member_ranks& member
   return out;
 }
 
+peer_report_verdict weigh_peer_report(const roster& r, const member_ranks& members,
+                                      uint32_t reporter, uint32_t suspect, incarnation_id inc,
+                                      int64_t now_ms, int64_t corroborate_ms) {
+  if (!attached_member(r, members, reporter))
+    return peer_report_verdict::stale_reporter;
+  if (!is_member(members, suspect, inc))
+    return peer_report_verdict::not_member;
+  const auto* w = find(r, suspect);
+  if (!w || w->incarnation != inc)
+    return peer_report_verdict::not_member;
+  if (w->lost)
+    return peer_report_verdict::known;
+  if (!w->connected || now_ms - w->last_heartbeat_ms >= corroborate_ms)
+    return peer_report_verdict::lost;
+  return peer_report_verdict::heard_from;
+}
+
 stall_verdict stall_credit(const roster& r, const member_ranks& members, int64_t now_ms,
                            int64_t timeout_ms, int64_t all_silent_since_ms, int64_t patience_ms,
                            int64_t last_tick_ms) {

@@ -16,6 +16,18 @@
 // timeout (health.hpp's heartbeat_expired). A closed connection is death
 // at once; the epoch manager records that itself.
 //
+// A peer's report (weigh_peer_report). A worker whose transport found a
+// peer lost (its endpoint failed, or its heartbeats stopped for the mesh's
+// bound) reports it. A reporter that is not itself an attached member is
+// not heard (a process resumed after SIGSTOP finds everyone silent). The
+// coordinator believes the report only when its own
+// view agrees: the suspect is a member with that incarnation and not yet
+// found dead, and its connection is closed or it has been silent for at
+// least `corroborate_ms`. A suspect the coordinator still hears from is
+// alive as far as it knows (a slow peer, or a link between two workers
+// that failed while each still reaches the coordinator): the report is
+// logged, and its beacons or its connection decide.
+//
 // The observer's own stall (stall_credit). When every such member is
 // silent at once, the likelier cause is the coordinator (its threads held
 // up, the beacons queued unread) than all of them hanging together: they
@@ -117,6 +129,21 @@ bool attached_member(const roster& r, const member_ranks& members, uint32_t rank
 /// The member ranks dead by silence at `now_ms`, ascending.
 std::vector<uint32_t> silent_members(const roster& r, const member_ranks& members, int64_t now_ms,
                                      int64_t timeout_ms);
+
+/// What a peer's report of a lost rank amounts to.
+enum class peer_report_verdict : uint8_t {
+  lost,        // believed: the suspect is dead from now
+  known,       // it was found dead already
+  not_member,  // not a member with that incarnation (a stale or superseded process)
+  heard_from,  // the coordinator still hears it: not believed
+  stale_reporter, // the reporter is not an attached member itself
+};
+
+/// Weighs `reporter`'s report that member `suspect` (incarnation `inc`) is
+/// lost, at `now_ms`.
+peer_report_verdict weigh_peer_report(const roster& r, const member_ranks& members,
+                                      uint32_t reporter, uint32_t suspect, incarnation_id inc,
+                                      int64_t now_ms, int64_t corroborate_ms);
 
 /// What stall_credit decided.
 struct stall_verdict {

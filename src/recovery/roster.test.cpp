@@ -67,6 +67,34 @@ TEST_CASE("roster: death by silence takes only attached members silent past the 
   CHECK_FALSE(attached_member(t.r, t.m, 9)); // not a member
 }
 
+TEST_CASE("roster: a peer's report of a lost rank is believed only when the coordinator agrees") {
+  two_by_two t;
+  constexpr int64_t corroborate = 500;
+  using v = peer_report_verdict;
+  // Heard from 10 ms ago: a slow peer or a broken link between workers.
+  CHECK(weigh_peer_report(t.r, t.m, 3, 1, 1, now, corroborate) == v::heard_from);
+  // Silent for the corroboration bound (well under the heartbeat timeout).
+  t.r[1].last_heartbeat_ms = now - corroborate;
+  CHECK(weigh_peer_report(t.r, t.m, 3, 1, 1, now, corroborate) == v::lost);
+  // Its connection closed: believed however recent its last beacon.
+  t.r[2].connected = false;
+  CHECK(weigh_peer_report(t.r, t.m, 3, 2, 1, now, corroborate) == v::lost);
+  // Found dead already; another incarnation; not a member at all.
+  t.r[1].lost = true;
+  CHECK(weigh_peer_report(t.r, t.m, 3, 1, 1, now, corroborate) == v::known);
+  CHECK(weigh_peer_report(t.r, t.m, 3, 3, 2, now, corroborate) == v::not_member);
+  t.r[0] = live(2);
+  CHECK(weigh_peer_report(t.r, t.m, 3, 0, 1, now, corroborate) == v::not_member);
+  CHECK(weigh_peer_report(t.r, t.m, 3, 9, 1, now, corroborate) == v::not_member);
+  // A reporter that is not an attached member itself is not heard (a
+  // process resumed after SIGSTOP finds everyone silent).
+  t.r[2] = live(1);
+  t.r[2].last_heartbeat_ms = now - corroborate;
+  t.r[3].lost = true;
+  CHECK(weigh_peer_report(t.r, t.m, 3, 2, 1, now, corroborate) == v::stale_reporter);
+  CHECK(weigh_peer_report(t.r, t.m, 9, 2, 1, now, corroborate) == v::stale_reporter);
+}
+
 TEST_CASE("roster: every member silent at once is credited, and the end of it re-arms all") {
   two_by_two t;
   for (auto& [rank, w] : t.r)

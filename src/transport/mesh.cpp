@@ -2,6 +2,7 @@
 
 #include "core/check.hpp"
 
+#include <caf/send.hpp>
 #include <caf/actor_cast.hpp>
 #include <caf/actor_proxy.hpp>
 #include <caf/make_actor.hpp>
@@ -82,6 +83,7 @@ struct mesh::core : std::enable_shared_from_this<mesh::core> {
   std::unordered_map<std::string, caf::actor_addr> auto_named; // weak: repliable senders
   std::map<std::pair<uint32_t, std::string>, caf::strong_actor_ptr> proxies;
   std::map<uint32_t, caf::error> fenced;
+  caf::actor watcher; // told of each fenced peer (watch_peers)
   std::unordered_set<caf::actor_id> run_inline; // published with dispatch::transport
 
   std::atomic<uint64_t> forwarded{0}, delivered{0}, unsendable{0}, send_failures{0};
@@ -268,8 +270,12 @@ void mesh::core::deliver(inbound_frame&& f) {
 
 void mesh::core::peer_down(uint32_t rank, const caf::error& reason) {
   std::vector<caf::strong_actor_ptr> victims;
+  // Still the fenced incarnation's: a newer one is armed after this runs.
+  const uint64_t incarnation = net.peer_incarnation(rank);
+  caf::actor told;
   {
     std::lock_guard<std::mutex> g(mtx);
+    told = watcher;
     fenced[rank] = reason;
     // Kept (terminated) until a newer incarnation is connected: remote()
     // of a fenced rank keeps returning the same dead proxy.
@@ -280,6 +286,13 @@ void mesh::core::peer_down(uint32_t rank, const caf::error& reason) {
   for (auto& p : victims)
     static_cast<remote_proxy*>(caf::actor_cast<caf::abstract_actor*>(p))->kill_proxy(nullptr,
                                                                                       reason);
+  if (told)
+    caf::anon_send(told, peer_down_atom::value, rank, incarnation, describe(reason));
+}
+
+void mesh::watch_peers(caf::actor a) {
+  std::lock_guard<std::mutex> g(core_->mtx);
+  core_->watcher = std::move(a);
 }
 
 void mesh::core::peer_up(uint32_t rank, uint64_t incarnation) {

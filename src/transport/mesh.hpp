@@ -45,6 +45,12 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ckpt_seed)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ckpt_update)
 
 namespace cmesh {
+/// (peer_down_atom, uint32_t rank, uint64_t incarnation, std::string reason):
+/// the transport fenced that incarnation of a peer (mesh::watch_peers).
+using peer_down_atom = caf::atom_constant<caf::atom("peerdown")>;
+} // namespace cmesh
+
+namespace cmesh {
 
 struct mesh_stats {
   uint64_t forwarded = 0;       // messages shipped by proxies
@@ -84,6 +90,11 @@ public:
   /// Handle to actor `name` in process `rank` (the local actor itself when
   /// rank is this process).
   caf::actor remote(uint32_t rank, const std::string& name);
+
+  /// Tells `a` of every peer incarnation the transport fences, as
+  /// (peer_down_atom, rank, incarnation, reason): the worker's failure
+  /// detector. Replaces an earlier watcher.
+  void watch_peers(caf::actor a);
 
   /// Epoch stamped on outgoing frames.
   void set_epoch(uint64_t epoch);
