@@ -42,6 +42,7 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
                         fmt::format("chaos action '{}': {} (forms: kill@STEP:RANK, "
                                     "kill@STEP:RANK? (survivable), stop@STEP:RANK:MS[?], "
                                     "hang@STEP:RANK[?], fault@STEP:RANK[:TIMES], flip@STEP:RANK, crash@STEP:RANK, "
+                                    "crash-shadow@STEP:RANK, "
                                     "kill-source@STEP, kill-all@STEP, corrupt@STEP, kill-checkpointer@STEP)",
                                     item, why));
     };
@@ -60,13 +61,14 @@ expected<std::vector<action>> parse_plan(std::string_view text, uint32_t world_s
       args.back().remove_suffix(1);
     }
     if (verb == "kill" || verb == "stop" || verb == "hang" || verb == "fault" || verb == "flip"
-        || verb == "crash") {
-      a.kind = verb == "kill"    ? action_kind::kill
-               : verb == "stop"  ? action_kind::stop
-               : verb == "hang"  ? action_kind::hang
-               : verb == "flip"  ? action_kind::flip
-               : verb == "crash" ? action_kind::crash
-                                 : action_kind::fault;
+        || verb == "crash" || verb == "crash-shadow") {
+      a.kind = verb == "kill"           ? action_kind::kill
+               : verb == "stop"         ? action_kind::stop
+               : verb == "hang"         ? action_kind::hang
+               : verb == "flip"         ? action_kind::flip
+               : verb == "crash"        ? action_kind::crash
+               : verb == "crash-shadow" ? action_kind::crash_shadow
+                                        : action_kind::fault;
       size_t want = a.kind == action_kind::stop ? 3 : 2;
       if (a.kind == action_kind::fault && args.size() == 3) {
         if (!number(args[2], a.times) || a.times < 1 || a.times > 100)
@@ -161,6 +163,9 @@ std::string to_string(const std::vector<action>& plan) {
         break;
       case action_kind::flip: out += fmt::format("flip@{}:{}", a.at_step, a.rank); break;
       case action_kind::crash: out += fmt::format("crash@{}:{}", a.at_step, a.rank); break;
+      case action_kind::crash_shadow:
+        out += fmt::format("crash-shadow@{}:{}", a.at_step, a.rank);
+        break;
       case action_kind::fault:
         out += fmt::format("fault@{}:{}", a.at_step, a.rank);
         if (a.times != 1)

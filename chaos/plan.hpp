@@ -19,6 +19,10 @@
 //   crash@S:R          SIGRTMIN+1 to rank R at step S: its trainer actor dies
 //                      with an error at its next step boundary (a bug that
 //                      throws), for the worker's supervisor actor to catch
+//   crash-shadow@S:R   SIGRTMIN+2 to rank R at step S: its checkpoint shadow
+//                      actor dies with an error at the next update it
+//                      applies; its supervisor restarts it, seeded at the
+//                      next step boundary
 //   kill-source@S      SIGKILL the source of the newest unfinished catch-up,
 //                      at step S or as soon as a catch-up runs after it whose
 //                      source is not the last live member
@@ -54,13 +58,14 @@ enum class action_kind : uint8_t {
   kill_all,
   corrupt,
   kill_checkpointer,
-  crash
+  crash,
+  crash_shadow
 };
 
 struct action {
   action_kind kind = action_kind::kill;
   uint64_t at_step = 0;
-  uint32_t rank = 0;   // kill, stop, hang, fault, flip, crash
+  uint32_t rank = 0;   // kill, stop, hang, fault, flip, crash, crash-shadow
   int64_t stop_ms = 0; // stop
   /// Kill, stop and hang: skipped when its target's group is the last live
   /// one (the random ones are; a written plan means what it says).

@@ -34,6 +34,10 @@ TEST_CASE("chaos plans: the text form parses, sorts by step and prints back") {
   REQUIRE(x);
   CHECK((*x)[0] == action{action_kind::crash, 9, 1, 0});
   CHECK(to_string(*x) == "crash@9:1");
+  auto xs = parse_plan("crash-shadow@9:3", 4);
+  REQUIRE(xs);
+  CHECK((*xs)[0] == action{action_kind::crash_shadow, 9, 3, 0});
+  CHECK(to_string(*xs) == "crash-shadow@9:3");
   // Every worker at once, and a byte of the newest checkpoint.
   auto k = parse_plan("corrupt@30,kill-all@20", 4);
   REQUIRE(k);
@@ -58,7 +62,8 @@ TEST_CASE("chaos plans: bad actions are typed errors naming the action") {
                           "boom@3:1", "kill5:1", "kill-source@3:1", "kill@5:1,", "hang@3",
                           "hang@3:7", "fault@3", "fault@3:9", "fault@3:1:0", "fault@3:1:101",
                           "fault@3:1:2:2", "flip@3", "flip@3:4", "flip@3:1?", "flip@3:1:2",
-                          "crash@3", "crash@3:4", "crash@3:1?", "crash@3:1:2"}) {
+                          "crash@3", "crash@3:4", "crash@3:1?", "crash@3:1:2",
+                          "crash-shadow@3", "crash-shadow@3:4"}) {
     auto p = parse_plan(bad, 4);
     CAPTURE(bad);
     REQUIRE_FALSE(p);

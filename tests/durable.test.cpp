@@ -216,6 +216,36 @@ TEST_CASE("stopped at 2x2, resumed at 4x1 and at 1x2: bit-identical to the unint
   }
 }
 
+TEST_CASE("a checkpoint shadow actor that dies: its supervisor restarts it, the checkpoints go on "
+          "and resume bit-identical") {
+  scratch s("crashshadow");
+  const auto root = s.dir + "/ckpt";
+  // Rank 0 writes its group's checkpoints. Its shadow throws at step 12;
+  // every worker is killed at step 35 and nobody restarts them, so the
+  // newest checkpoint on disk (step 30) was written by the restarted shadow.
+  auto r = launch("-n 2 --replicas 2 --max-restarts 0 --checkpoint-dir " + root
+                  + " --checkpoint-every 10 --chaos crash-shadow@12:0,kill-all@35");
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(has(r.output, "SIGRTMIN+2 (crash-shadow) rank 0"));
+  CHECK(has(r.output, "the checkpoint shadow actor of rank 0 died: crashed: injected crash at "
+                      "update"));
+  CHECK(has(r.output, "rank 0's shadow restarted (restart 1), seeded at step"));
+  // The rank went on: no worker ended before the kill.
+  CHECK(!has(r.output, "a local actor died"));
+  auto on_disk = steps_in(root);
+  REQUIRE(!on_disk.empty());
+  CHECK(on_disk.back() == 30);
+  auto v = run_cmesh("checkpoint verify " + root, {}, 120s);
+  INFO(v.output);
+  CHECK(v.exit_code == 0);
+  auto q = launch("-n 1 --resume " + root);
+  INFO(q.output);
+  REQUIRE(q.exit_code == 0);
+  CHECK(has(q.output, "(step 30, written by"));
+  check_identical(q, 1);
+}
+
 TEST_CASE("a corrupted newest checkpoint is passed over for the one before, said, and the run "
           "ends bit-identical") {
   scratch s("corrupt");

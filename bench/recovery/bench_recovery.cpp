@@ -288,7 +288,8 @@ struct stop_timing {
 };
 
 /// For every chaos SIGSTOP of a member of the running epoch: the time to
-/// its worker_lost (heartbeat silence) and to the next first_commit after
+/// its worker_lost (silence of its beacons or of its transport's
+/// heartbeats) and to the next first_commit after
 /// that, and the epochs announced meanwhile (one is the least: the epoch
 /// without it). `false_losses` counts ranks found silent that nobody
 /// stopped (a beacon late past the timeout on a busy machine).
@@ -299,8 +300,9 @@ std::vector<stop_timing> stop_to_commit(const std::vector<event>& ev, int& false
     const auto& e = ev[i];
     if (e.name == "chaos" && e.field("signal").find("SIGCONT") != std::string::npos)
       stopped[e.num("rank")] = false;
-    if (e.name == "worker_lost" && e.field("reason").find("silent") != std::string::npos
-        && !stopped[e.num("rank")])
+    const bool by_silence = e.field("reason").find("silent") != std::string::npos
+                            || e.field("reason").find("transport lost it") != std::string::npos;
+    if (e.name == "worker_lost" && by_silence && !stopped[e.num("rank")])
       ++false_losses;
     if (e.name != "chaos" || e.field("signal") != "\"SIGSTOP\"")
       continue;
@@ -329,8 +331,11 @@ std::vector<stop_timing> stop_to_commit(const std::vector<event>& ev, int& false
 void stop_latency_table(int stops, uint64_t seed) {
   fmt::print("## hang (SIGSTOP, seen only by silence) -> survivors' next committed step\n\n");
   fmt::print("Nothing closes a connection: the coordinator learns of it when the rank's\n"
-             "beacons (every 100 ms) stop for --heartbeat-timeout-ms. It is continued\n"
-             "(SIGCONT) a second after it is dropped, is fenced, restarts and catches up.\n\n");
+             "beacons (every 100 ms) stop for --heartbeat-timeout-ms, or when a peer's\n"
+             "transport (heartbeats every 100 ms, 800 ms of silence) reports it and the\n"
+             "coordinator has not heard it for a third of its timeout, whichever comes\n"
+             "first. It is continued (SIGCONT) a second after it is dropped, is fenced,\n"
+             "restarts and catches up.\n\n");
   fmt::print("| layout | --heartbeat-timeout-ms | stops timed | stop->lost p50 / max ms | "
              "stop->commit p50 / p99 / max ms | epochs announced, lost->commit (mean) | "
              "ranks found silent that nobody stopped |\n|---|---|---|---|---|---|---|\n");
@@ -365,8 +370,9 @@ void stop_latency_table(int stops, uint64_t seed) {
                  all.empty() ? NAN : epochs / static_cast<double>(all.size()), false_losses);
     }
   }
-  fmt::print("\nstop->lost is the heartbeat timeout, less the time since the rank's last\n"
-             "beacon (up to 100 ms), plus the epoch manager's tick; lost->commit is about what\n"
+  fmt::print("\nstop->lost is the shorter detector's bound (the coordinator's timeout, or the\n"
+             "transport's 800 ms), less the time since the rank's last heartbeat (up to\n"
+             "100 ms), plus the epoch manager's tick; lost->commit is about what\n"
              "a SIGKILL costs (part 1). One epoch announced per stop means the silence cost\n"
              "no extra re-formed epoch.\n\n");
 }

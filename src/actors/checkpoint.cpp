@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -111,8 +112,17 @@ caf::behavior disk_actor(caf::event_based_actor*, checkpoint_target t) {
 /// buffers the shadow hands back to be filled again (a fresh vector per
 /// step, of the shard's size, would page-fault its way in on the trainer's
 /// thread and be unmapped again on the shadow's).
+namespace {
+std::atomic<bool> shadow_crash_requested{false};
+} // namespace
+
+void request_shadow_crash() {
+  shadow_crash_requested.store(true, std::memory_order_relaxed);
+}
+
 struct feed_link {
   std::atomic<int64_t> in_flight{0};
+  std::atomic<bool> down{false}; // its shadow died: the feed restarts one
   std::mutex mu;
   std::vector<std::vector<float>> spare;
   size_t spare_max = 1;
@@ -253,6 +263,17 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
     S0.disk = self->spawn<caf::detached + caf::linked>(disk_actor, *S0.target);
     S0.last_due = S0.target->resumed_from;
   }
+  // An exception (a bug) ends the actor with its message as the reason,
+  // for the supervisor that watches it.
+  self->set_exception_handler([](caf::scheduled_actor*, std::exception_ptr& x) -> caf::error {
+    try {
+      std::rethrow_exception(x);
+    } catch (const std::exception& e) {
+      return make_error(errc::crashed, e.what());
+    } catch (...) {
+      return make_error(errc::crashed, "an unknown exception");
+    }
+  });
   return {
     [=](seed_atom, uint64_t step, std::vector<float>& p, std::vector<float>& m,
         std::vector<float>& v, std::vector<float>& sc, bool agreed) {
@@ -269,6 +290,8 @@ caf::behavior shadow_actor(shadow_self* self, model::train_config train,
     },
     [=](commit_atom, uint64_t k, std::vector<float>& update, uint64_t expect, bool agreed) {
       self->state.link->in_flight.fetch_sub(1, std::memory_order_relaxed);
+      if (shadow_crash_requested.exchange(false, std::memory_order_relaxed))
+        throw std::runtime_error(fmt::format("injected crash at update {} (chaos crash-shadow)", k));
       if (apply_update(self, k, update, expect, agreed))
         self->state.link->give_back(std::move(update));
     },
@@ -305,15 +328,37 @@ std::vector<float> copy_of(std::span<const float> s) {
 } // namespace
 
 shadow_feed::shadow_feed(caf::actor_system& sys, shadow_options o)
-    : sys_(sys), o_(std::move(o)), link_(std::make_shared<feed_link>()) {
-  link_->spare_max = o_.queue_max + 1;
-  shadow_ = sys_.spawn(shadow_actor, o_.train, link_, o_.target);
+    : sys_(sys), o_(std::move(o)) {
   if (o_.target) {
     clock_.every = o_.target->every;
     clock_.every_time = o_.target->every_time;
     writer_ = o_.target->rank / std::max<uint32_t>(1, o_.target->ranks_per_group) == 0;
   }
+  spawn_shadow_actor();
+}
+
+/// A shadow actor of its own link, told whether it writes, and handed to
+/// the supervision: if it dies with an error, the link says so and the
+/// next boundary restarts it.
+void shadow_feed::spawn_shadow_actor() {
+  link_ = std::make_shared<feed_link>();
+  link_->spare_max = o_.queue_max + 1;
+  shadow_ = sys_.spawn(shadow_actor, o_.train, link_, o_.target);
   caf::anon_send(shadow_, writer_atom::value, writer_);
+  if (o_.supervise)
+    o_.supervise(shadow_, [link = link_] { link->down.store(true); });
+}
+
+void shadow_feed::restart_if_down(uint64_t step) {
+  if (!link_->down.load())
+    return;
+  // Safe: the shadow holds a copy of what the trainer has, and a write it
+  // had in flight never committed its manifest. The new one is seeded now.
+  ++restarts_;
+  tracking_ = false;
+  spawn_shadow_actor();
+  spdlog::warn("checkpoint: rank {}'s shadow restarted (restart {}), seeded at step {}",
+               o_.target ? o_.target->rank : 0, restarts_, step);
 }
 
 void shadow_feed::entered_epoch(std::span<const uint32_t> members, size_t ranks_per_group) {
@@ -352,6 +397,7 @@ void shadow_feed::checkpoint_agreed(uint64_t k) {
 }
 
 void shadow_feed::at_boundary(const train_state& st) {
+  restart_if_down(st.step);
   if (!active()) {
     tracking_ = false; // seeded again if this group becomes the writer
     return;

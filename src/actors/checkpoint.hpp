@@ -46,6 +46,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -96,7 +97,15 @@ struct shadow_options {
   size_t queue_max = 8; // messages in flight before an update is dropped
   bool check = false;   // compare with the trainer's state after every update
   std::optional<checkpoint_target> target; // none: the shadow writes nothing
+  /// Hands each shadow actor the feed spawns to the worker's supervision,
+  /// with what to call if it dies with an error (the feed then restarts it
+  /// at the next step boundary). None: unsupervised.
+  std::function<void(const caf::actor& shadow, std::function<void()> died)> supervise;
 };
+
+/// Chaos: the shadow actor dies with an error (throws) at the next update
+/// it applies. Async-signal-safe.
+void request_shadow_crash();
 
 /// When a feed wants a time-based checkpoint (commit_listener's
 /// wants_checkpoint and checkpoint_agreed): `every_time` since the last
@@ -175,8 +184,12 @@ public:
 
   /// Updates dropped because the shadow was behind by queue_max messages.
   uint64_t dropped() const { return dropped_; }
+  /// Shadow actors restarted after one died.
+  uint64_t restarts() const { return restarts_; }
 
 private:
+  void spawn_shadow_actor();
+  void restart_if_down(uint64_t step);
   caf::actor_system& sys_;
   shadow_options o_;
   caf::actor shadow_;
@@ -184,6 +197,7 @@ private:
   bool tracking_ = false;  // the shadow follows: the next update it expects is next_
   uint64_t next_ = 0;
   uint64_t dropped_ = 0;
+  uint64_t restarts_ = 0;
   bool writer_ = true; // this rank's group writes the checkpoints (the epoch's lowest)
   checkpoint_clock clock_;
   bool active() const { return !o_.target || o_.check || writer_; }

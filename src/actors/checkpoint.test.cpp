@@ -32,7 +32,7 @@ TEST_CASE("checkpoint shadow: follows every commit bit for bit, re-seeds after a
   caf::actor_system_config cfg;
   caf::actor_system sys{cfg};
   fake_trainer t(10000);
-  shadow_feed feed(sys, {t.tc, 64, true, {}});
+  shadow_feed feed(sys, {t.tc, 64, true, {}, {}});
   for (int k = 0; k < 20; ++k) {
     feed.at_boundary(t.state());
     auto u = t.commit();
@@ -69,7 +69,7 @@ TEST_CASE("checkpoint shadow: a full queue drops updates rather than wait, and c
   fake_trainer t(5000);
   // No room for an update: each is dropped and the shadow is seeded at the
   // next boundary instead.
-  shadow_feed feed(sys, {t.tc, 0, false, {}});
+  shadow_feed feed(sys, {t.tc, 0, false, {}, {}});
   for (int k = 0; k < 5; ++k) {
     feed.at_boundary(t.state());
     auto u = t.commit();
@@ -92,7 +92,7 @@ TEST_CASE("checkpoint shadow: bf16's loss scale is stepped too") {
   // the loss scale.
   fake_trainer a(4096);
   a.tc.precision = "bf16";
-  shadow_feed f2(sys, {a.tc, 16, true, {}});
+  shadow_feed f2(sys, {a.tc, 16, true, {}, {}});
   for (int k = 0; k < 6; ++k) {
     f2.at_boundary(a.state());
     std::vector<float> u;
@@ -154,7 +154,7 @@ TEST_CASE("checkpoint shadow: writes every K steps and at the last, through rete
   scratch_dir d;
   fake_trainer t(6000);
   t.tc.steps = 10;
-  shadow_feed feed(sys, {t.tc, 64, false, target_for(d.path, 0, 1, 6000)});
+  shadow_feed feed(sys, {t.tc, 64, false, target_for(d.path, 0, 1, 6000), {}});
   std::vector<float> at8;
   for (int k = 0; k < 10; ++k) {
     feed.at_boundary(t.state());
@@ -198,8 +198,8 @@ TEST_CASE("checkpoint shadow: the ranks of a group write one checkpoint together
   const auto split = split_shards(n, 2, norm_block);
   fake_trainer t0(split.counts[0]), t1(split.counts[1]);
   t0.tc.steps = t1.tc.steps = 4;
-  shadow_feed f0(sys, {t0.tc, 64, false, target_for(d.path, 0, 2, n)});
-  shadow_feed f1(sys, {t1.tc, 64, false, target_for(d.path, 1, 2, n)});
+  shadow_feed f0(sys, {t0.tc, 64, false, target_for(d.path, 0, 2, n), {}});
+  shadow_feed f1(sys, {t1.tc, 64, false, target_for(d.path, 1, 2, n), {}});
   for (int k = 0; k < 4; ++k) {
     f0.at_boundary(t0.state());
     f1.at_boundary(t1.state());
@@ -230,7 +230,7 @@ TEST_CASE("checkpoint shadow: a write that fails is counted and said; the shadow
   std::ofstream(not_a_dir) << "x";
   fake_trainer t(2000);
   t.tc.steps = 8;
-  shadow_feed feed(sys, {t.tc, 64, false, target_for(not_a_dir, 0, 1, 2000)});
+  shadow_feed feed(sys, {t.tc, 64, false, target_for(not_a_dir, 0, 1, 2000), {}});
   for (int k = 0; k < 8; ++k) {
     feed.at_boundary(t.state());
     auto u = t.commit();

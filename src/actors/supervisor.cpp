@@ -154,7 +154,6 @@ using shutdown_atom = caf::atom_constant<caf::atom("shutdown")>;
 using streamed_atom = caf::atom_constant<caf::atom("streamed")>;
 using send_snap_atom = caf::atom_constant<caf::atom("sendsnap")>;
 using end_atom = caf::atom_constant<caf::atom("end")>;
-using watch_atom = caf::atom_constant<caf::atom("watch")>;
 
 /// The state at a step boundary: the step and the state's sizes.
 struct boundary_msg {
@@ -224,6 +223,11 @@ struct finished_msg {
   uint64_t step = 0;
   wire::report done;
 };
+struct watch_msg {
+  caf::actor a;
+  std::string what;
+  std::function<void(const caf::error&)> restart; // empty: the rank fails with it
+};
 struct reconnected_msg {
   std::shared_ptr<coordinator_client> c; // empty: the attempt failed
 };
@@ -244,6 +248,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::prepared_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::session_end_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::finished_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::reconnected_msg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::watch_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::owed_list)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::owed_snapshot)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<cmesh::coll::host_context>)
@@ -312,7 +317,7 @@ struct supervisor_state {
   };
   std::optional<waiter> waiting; // the trainer's enter_epoch, until it can be answered
   uint64_t waits = 0;
-  std::map<caf::actor_addr, std::string> watched;
+  std::map<caf::actor_addr, watch_msg> watched;
   std::set<std::pair<uint32_t, uint64_t>> reported; // peers reported lost
 
   void publish();
@@ -778,14 +783,20 @@ void supervisor_state::on_down(const caf::down_msg& d) {
   auto it = watched.find(d.source);
   if (it == watched.end())
     return;
-  auto what = it->second;
+  auto w = std::move(it->second);
   watched.erase(it);
-  if (!d.reason || d.reason == caf::exit_reason::normal || stopping)
+  if (!d.reason || d.reason == caf::exit_reason::normal
+      || d.reason == caf::exit_reason::user_shutdown || stopping)
     return;
-  auto why = fmt::format("the {} actor of rank {} died: {}", what, o.rank,
+  auto why = fmt::format("the {} actor of rank {} died: {}", w.what, o.rank,
                          d.reason.category() == error_category
                            ? describe(d.reason)
                            : self->home_system().render(d.reason));
+  if (w.restart) {
+    spdlog::warn("supervisor: {}; restarting it", why);
+    w.restart(d.reason);
+    return;
+  }
   spdlog::error("supervisor: {}; ending the process", why);
   (void) client->report({o.rank, "failed", why, mono_ns()});
   std::this_thread::sleep_for(std::chrono::milliseconds(50)); // let the report leave
@@ -916,9 +927,9 @@ caf::message_handler lifecycle(supervisor_self* self) {
     [self](peer_down_atom, uint32_t rank, uint64_t incarnation, const std::string& why) {
       self->state.on_peer_down(rank, incarnation, why);
     },
-    [self](watch_atom, const caf::actor& a, const std::string& what) {
-      self->monitor(a);
-      self->state.watched[a.address()] = what;
+    [self](watch_msg& m) {
+      self->monitor(m.a);
+      self->state.watched[m.a.address()] = std::move(m);
     },
     [self](stop_atom) {
       self->state.stop();
@@ -1239,8 +1250,9 @@ void supervisor::stop() {
     spdlog::warn("supervisor: stopping: {}", describe(ok.error()));
 }
 
-void supervisor::watch(const caf::actor& a, std::string what) {
-  impl_->tell(watch_atom::value, a, std::move(what));
+void supervisor::watch(const caf::actor& a, std::string what,
+                       std::function<void(const caf::error&)> restart) {
+  impl_->tell(watch_msg{a, std::move(what), std::move(restart)});
 }
 
 void supervisor::finished(uint64_t step, const wire::report& done) {

@@ -50,6 +50,7 @@
 #include <caf/fwd.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -117,9 +118,13 @@ public:
   /// trainer waits on; idempotent. Callable from any thread.
   void stop();
 
-  /// Supervises a local actor of this worker: if it dies with an error,
-  /// the rank is reported failed and the process ends (exit_actor_failed).
-  void watch(const caf::actor& a, std::string what);
+  /// Supervises a local actor of this worker. If it dies with an error
+  /// and `restart` is given (the actor can be restarted safely), that is
+  /// called on the supervisor's thread (it must not block) and the rank
+  /// goes on; otherwise the rank is reported failed and the process ends
+  /// (exit_actor_failed). A normal exit or a shutdown is no failure.
+  void watch(const caf::actor& a, std::string what,
+             std::function<void(const caf::error&)> restart = {});
 
   /// The supervisor actor (for tests and for the worker's other actors).
   const caf::actor& actor() const;

@@ -1,5 +1,6 @@
 #include "cli/commands.hpp"
 
+#include "actors/checkpoint.hpp"
 #include "actors/supervisor.hpp"
 #include "actors/epoch_manager.hpp"
 #include "chaos/plan.hpp"
@@ -394,11 +395,14 @@ int run_worker(const job_options& job) {
     sa.sa_handler = [](int) { actors::request_fault(); };
     sigaction(SIGUSR2, &sa, nullptr);
     // SIGRTMIN flips a bit of its weights (flip@STEP:RANK), SIGRTMIN+1
-    // makes its actor die with an error (crash@STEP:RANK).
+    // makes its actor die with an error (crash@STEP:RANK), SIGRTMIN+2 its
+    // checkpoint shadow's (crash-shadow@STEP:RANK).
     sa.sa_handler = [](int) { actors::request_flip(); };
     sigaction(SIGRTMIN, &sa, nullptr);
     sa.sa_handler = [](int) { actors::request_crash(); };
     sigaction(SIGRTMIN + 1, &sa, nullptr);
+    sa.sa_handler = [](int) { actors::request_shadow_crash(); };
+    sigaction(SIGRTMIN + 2, &sa, nullptr);
     // SIGTERM (a scheduler's preemption or cancel, cmesh launch passing on
     // a Ctrl-C) and SIGINT stop training after a step every member agrees
     // on, checkpointed; a worker not training by then ends 60 s later
@@ -660,7 +664,7 @@ struct launched_workers {
   void signal(uint32_t r, int sig, const char* name, uint64_t step) {
     if (!procs[r].running())
       return;
-    if (sig != SIGUSR2 && sig != SIGRTMIN) // a fault or a flip: the process lives on
+    if (sig != SIGUSR2 && sig != SIGRTMIN && sig != SIGRTMIN + 2) // the process lives on
       signalled_down[r] = sig != SIGCONT;
     fmt::print("cmesh: chaos: {} rank {} (pid {}) at step {} (t+{:.3f} s)\n", name, r,
                procs[r].pid(), step, since_start());
@@ -826,6 +830,9 @@ struct launch_chaos {
         return true;
       case chaos::action_kind::crash:
         w.signal(a.rank, SIGRTMIN + 1, "SIGRTMIN+1 (crash)", step);
+        return true;
+      case chaos::action_kind::crash_shadow:
+        w.signal(a.rank, SIGRTMIN + 2, "SIGRTMIN+2 (crash-shadow)", step);
         return true;
       default:
         break;

@@ -117,10 +117,10 @@ void print_shadow(uint32_t rank, actors::shadow_feed& feed, const actors::train_
   } else {
     fmt::print("cmesh: rank {} shadow step={} state={:016x} trainer_step={} trainer_state={:016x} "
                "applied={} seeds={} dropped={} checked={} mismatches={} written={} "
-               "write_failures={} write_skipped={} last_written={}\n",
+               "write_failures={} write_skipped={} last_written={} restarts={}\n",
                rank, s->step, s->state_hash, r.steps, r.state_hash, s->applied, s->seeds,
                feed.dropped(), s->checked, s->mismatches, s->written, s->write_failures,
-               s->write_skipped, s->last_written);
+               s->write_skipped, s->last_written, feed.restarts());
   }
   std::fflush(stdout);
 }
@@ -182,7 +182,7 @@ struct commit_sinks {
 
   actors::commit_listener* make(caf::actor_system& sys, joined_mesh& j,
                                 const model::run_config& config, const shadow_flags& shadow,
-                                model::model& net, size_t replicas) {
+                                model::model& net, size_t replicas, actors::supervisor& sup) {
     const auto rank = static_cast<uint32_t>(j.place.rank);
     const auto size = static_cast<size_t>(j.place.world_size);
     if (shadow.durable.checkpointer && shadow.durable.writes()) {
@@ -199,7 +199,12 @@ struct commit_sinks {
     }
     if (!shadow.on && !shadow.durable.writes())
       return nullptr;
-    actors::shadow_options so{config.train, 8, shadow.check, {}};
+    actors::shadow_options so{config.train, 8, shadow.check, {}, {}};
+    // The shadow holds a copy of the trainer's state: one that dies is
+    // restarted, seeded at the next step boundary.
+    so.supervise = [&sup](const caf::actor& a, std::function<void()> died) {
+      sup.watch(a, "checkpoint shadow", [died](const caf::error&) { died(); });
+    };
     if (shadow.durable.writes())
       so.target = target_of(shadow.durable, shadow.config, net, rank, replicas, size / replicas,
                             shadow.resume ? shadow.resume->ckpt->step() : 0);
@@ -294,7 +299,7 @@ expected<actors::train_result> build_and_train(caf::actor_system& sys, joined_me
   auto net = model::make_moe_lm_on(opts.config.model, where, rank);
   if (!net)
     return net.error();
-  opts.listener = sinks.make(sys, j, config, shadow, **net, replicas);
+  opts.listener = sinks.make(sys, j, config, shadow, **net, replicas, sup);
   actors::trainer t(opts, std::move(*net), std::move(data), sup, rank);
   return t.run();
 }
