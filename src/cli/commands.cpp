@@ -349,6 +349,38 @@ expected<std::optional<resume_point>> resume_of(const job_options& job, const la
   return r;
 }
 
+/// A training worker's signals: the chaos plan's faults, and a clean stop.
+void install_worker_signals() {
+  // Chaos support: SIGUSR1 hangs the trainer's next step (hang@STEP:RANK),
+  // SIGUSR2 fails its next step's collectives (fault@STEP:RANK),
+  struct sigaction sa {};
+  sa.sa_handler = [](int) { actors::request_hang(); };
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGUSR1, &sa, nullptr);
+  sa.sa_handler = [](int) { actors::request_fault(); };
+  sigaction(SIGUSR2, &sa, nullptr);
+  // SIGRTMIN flips a bit of its weights (flip@STEP:RANK), SIGRTMIN+1
+  // makes its actor die with an error (crash@STEP:RANK), SIGRTMIN+2 its
+  // checkpoint shadow's (crash-shadow@STEP:RANK).
+  sa.sa_handler = [](int) { actors::request_flip(); };
+  sigaction(SIGRTMIN, &sa, nullptr);
+  sa.sa_handler = [](int) { actors::request_crash(); };
+  sigaction(SIGRTMIN + 1, &sa, nullptr);
+  sa.sa_handler = [](int) { actors::request_shadow_crash(); };
+  sigaction(SIGRTMIN + 2, &sa, nullptr);
+  // SIGTERM (a scheduler's preemption or cancel, cmesh launch passing on
+  // a Ctrl-C) and SIGINT stop training after a step every member agrees
+  // on, checkpointed; a worker not training by then ends 60 s later
+  // (SIGALRM's default action).
+  sa.sa_handler = [](int) {
+    if (!actors::stop_was_requested())
+      ::alarm(60);
+    actors::request_stop();
+  };
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
 } // namespace
 
 int run_worker(const job_options& job) {
@@ -385,36 +417,8 @@ int run_worker(const job_options& job) {
     shadow.durable = job.supervise.durable;
     shadow.config = job_config;
   }
-  if (job.job == "train") {
-    // Chaos support: SIGUSR1 hangs the trainer's next step (hang@STEP:RANK),
-    // SIGUSR2 fails its next step's collectives (fault@STEP:RANK),
-    struct sigaction sa {};
-    sa.sa_handler = [](int) { actors::request_hang(); };
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGUSR1, &sa, nullptr);
-    sa.sa_handler = [](int) { actors::request_fault(); };
-    sigaction(SIGUSR2, &sa, nullptr);
-    // SIGRTMIN flips a bit of its weights (flip@STEP:RANK), SIGRTMIN+1
-    // makes its actor die with an error (crash@STEP:RANK), SIGRTMIN+2 its
-    // checkpoint shadow's (crash-shadow@STEP:RANK).
-    sa.sa_handler = [](int) { actors::request_flip(); };
-    sigaction(SIGRTMIN, &sa, nullptr);
-    sa.sa_handler = [](int) { actors::request_crash(); };
-    sigaction(SIGRTMIN + 1, &sa, nullptr);
-    sa.sa_handler = [](int) { actors::request_shadow_crash(); };
-    sigaction(SIGRTMIN + 2, &sa, nullptr);
-    // SIGTERM (a scheduler's preemption or cancel, cmesh launch passing on
-    // a Ctrl-C) and SIGINT stop training after a step every member agrees
-    // on, checkpointed; a worker not training by then ends 60 s later
-    // (SIGALRM's default action).
-    sa.sa_handler = [](int) {
-      if (!actors::stop_was_requested())
-        ::alarm(60);
-      actors::request_stop();
-    };
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGINT, &sa, nullptr);
-  }
+  if (job.job == "train")
+    install_worker_signals();
   join_options jo;
   jo.connect_transport = job.job != "train";
   jo.config = std::move(job_config); // the coordinator refuses one that is not the job's
