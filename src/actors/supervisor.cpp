@@ -269,6 +269,10 @@ struct session_rec {
   bool broken = false;                      // cut off, replaced or failed
   size_t backlog = 0;                       // updates forwarded and not yet streamed
   bool prepared() const { return comm != nullptr; }
+  /// Prepared, and waiting for the trainer's copy at its next boundary.
+  bool owes_snapshot() const { return !broken && want_snapshot && prepared(); }
+  /// Taking the committed updates.
+  bool streaming() const { return !broken && !want_snapshot && !end; }
 };
 
 struct supervisor_state;
@@ -357,10 +361,8 @@ void supervisor_state::publish() {
     v->newest_ranks = newest->ranks;
   }
   for (auto& [id, s] : sessions) {
-    if (s.broken)
-      continue;
-    v->snapshot_owed = v->snapshot_owed || (s.want_snapshot && s.prepared());
-    v->streaming = v->streaming || (!s.want_snapshot && !s.end);
+    v->snapshot_owed = v->snapshot_owed || s.owes_snapshot();
+    v->streaming = v->streaming || s.streaming();
   }
   v->client = client;
   pub->v.store(std::move(v), std::memory_order_release);
@@ -591,7 +593,7 @@ void supervisor_state::on_commit(const commit_msg& m) {
   }
   bool cut = false;
   for (auto& [id, s] : sessions) {
-    if (s.want_snapshot || s.broken || s.end)
+    if (!s.streaming())
       continue;
     if (s.backlog >= o.stream_max) {
       spdlog::warn("supervisor: rank {} fell {} steps behind its catch-up stream; cutting it off",
@@ -614,7 +616,7 @@ void supervisor_state::on_commit(const commit_msg& m) {
 owed_list supervisor_state::owed() {
   owed_list out;
   for (auto& [id, s] : sessions) {
-    if (!s.want_snapshot || !s.prepared() || s.broken)
+    if (!s.owes_snapshot())
       continue;
     s.want_snapshot = false;
     out.sessions.push_back({id, s.sh->assign.joiner, 0, std::move(s.buf)});
@@ -654,7 +656,7 @@ void supervisor_state::answer() {
   auto& w = waiting->req;
   const bool snapshot_owed =
     w.member_before && std::any_of(sessions.begin(), sessions.end(), [](auto& kv) {
-      return kv.second.want_snapshot && kv.second.prepared() && !kv.second.broken;
+      return kv.second.owes_snapshot();
     });
   if (!stopping && snapshot_owed) {
     // A member waiting for its next epoch is at a step boundary: it can
@@ -975,6 +977,22 @@ caf::behavior supervisor_actor(supervisor_self* self, supervisor_options o,
                          .or_else(lifecycle(self))};
 }
 
+/// A catch-up's context: the spare one the supervisor kept, else a fresh one.
+expected<std::shared_ptr<coll::host_context>> spare_or_fresh(std::shared_ptr<coll::host_context> spare,
+                                                             uint32_t rank) {
+  if (spare)
+    return spare;
+  return coll::transfer_context(rank);
+}
+
+/// After a clean session only: its peer is done with the context (the
+/// stream's end marker was the last message), so the supervisor keeps it
+/// for the next session, with another peer, which then needs no fresh worker.
+void give_back_ctx(const caf::actor& sup, std::shared_ptr<coll::host_context> ctx) {
+  ctx->quiesced();
+  caf::anon_send(sup, give_ctx_atom::value, std::move(ctx));
+}
+
 /// Sends one joiner its snapshot and the stream of committed updates
 /// after it: the steps of a session, on the helper's thread. `clean`: the
 /// stream ended with its end marker (the context can serve another peer).
@@ -1074,16 +1092,14 @@ void serve_session(caf::blocking_actor* self, caf::actor sup, session_ptr sh,
   auto buf = std::make_shared<snapshot_buffers>(snapshot_buffers::sized(sizes, page_array::pages::huge));
   std::fill(buf->memory.begin(), buf->memory.end(), 0.0f); // fault the pages in here
   const auto t_buffers = mono_ns();
-  std::shared_ptr<coll::host_context> ctx = std::move(spare);
+  std::shared_ptr<coll::host_context> ctx;
   std::shared_ptr<coll::communicator> comm;
   bool clean = false;
   caf::error e;
-  if (!ctx) {
-    if (auto c = coll::transfer_context(o.rank))
-      ctx = std::move(*c);
-    else
-      e = c.error();
-  }
+  if (auto c = spare_or_fresh(std::move(spare), o.rank))
+    ctx = std::move(*c);
+  else
+    e = c.error();
   const auto t_ctx = mono_ns();
   // Nothing tells a source that its joiner died: its session ends when the
   // supervisor stops, when a newer session replaces it, or at the timeout.
@@ -1118,13 +1134,8 @@ void serve_session(caf::blocking_actor* self, caf::actor sup, session_ptr sh,
   self->request(sup, caf::duration{std::chrono::seconds(10)}, session_end_msg{a.session, clean})
     .receive([](bool) {}, [](caf::error&) {});
   comm.reset();
-  if (clean && ctx) {
-    // After a clean session only: its peer is done with the context (the
-    // stream's end marker was the last message), so the next session, with
-    // another peer, needs no fresh worker.
-    ctx->quiesced();
-    caf::anon_send(sup, give_ctx_atom::value, std::move(ctx));
-  }
+  if (clean && ctx)
+    give_back_ctx(sup, std::move(ctx));
 }
 
 } // namespace
@@ -1413,10 +1424,7 @@ expected<coll::communicator*> supervisor::impl::build_epoch(const wire::epoch_no
     return make_error(errc::aborted, "the epoch was not built");
   }
   std::shared_ptr<coll::communicator> made = std::move(*c);
-  comm_reg r;
-  r.what = comm_reg::kind::epoch;
-  r.c = made;
-  note_comm(std::move(r));
+  note_comm({.what = comm_reg::kind::epoch, .c = made});
   parts = {}; // the last epoch's parts, which the supervisor let go of
   comm = std::move(made);
   return comm.get();
@@ -1428,16 +1436,12 @@ caf::error supervisor::impl::receive(const enter_reply& r, train_state& st,
                                      const apply_update& apply) {
   const auto& a = r.assign;
   set_status(wire::worker_status::catching_up, {}, {}, a.session);
-  std::shared_ptr<coll::host_context> jctx;
-  if (auto spare = ask<std::shared_ptr<coll::host_context>>(std::chrono::seconds(30),
-                                                            take_ctx_atom::value);
-      spare && *spare) {
-    jctx = std::move(*spare);
-  } else if (auto fresh = coll::transfer_context(o.rank)) {
-    jctx = std::move(*fresh);
-  } else {
-    return fresh.error();
-  }
+  auto spare = ask<std::shared_ptr<coll::host_context>>(std::chrono::seconds(30),
+                                                         take_ctx_atom::value);
+  auto made = spare_or_fresh(spare ? std::move(*spare) : nullptr, o.rank);
+  if (!made)
+    return made.error();
+  std::shared_ptr<coll::host_context> jctx = std::move(*made);
   // Losses of the source heard of since the assignment came end the session.
   const uint64_t losses_before = r.source_losses;
   coll::peer_status source_status = [p = pub, losses_before](uint32_t src) -> caf::error {
@@ -1455,23 +1459,13 @@ caf::error supervisor::impl::receive(const enter_reply& r, train_state& st,
   if (!c)
     return c.error();
   std::shared_ptr<coll::communicator> comm = std::move(*c);
-  comm_reg reg;
-  reg.what = comm_reg::kind::join;
-  reg.c = comm;
-  reg.source = a.source;
-  reg.losses_before = losses_before;
-  note_comm(std::move(reg));
+  note_comm({.what = comm_reg::kind::join, .c = comm, .source = a.source,
+             .losses_before = losses_before});
   auto e = receive_stream(*comm, st, apply);
-  comm_reg forget;
-  forget.what = comm_reg::kind::join;
-  note_comm(std::move(forget));
+  note_comm({.what = comm_reg::kind::join, .c = nullptr}); // forgotten
   comm.reset();
-  if (!e) {
-    // Its peer is done with the context (the end marker was the last
-    // message): the next session, with another peer, needs no fresh worker.
-    jctx->quiesced();
-    tell(give_ctx_atom::value, std::move(jctx));
-  }
+  if (!e)
+    give_back_ctx(actor, std::move(jctx));
   return e;
 }
 
@@ -1542,11 +1536,7 @@ expected<coll::communicator*> supervisor::sub_communicator(size_t slot, coll::me
   if (!c)
     return c.error();
   std::shared_ptr<coll::communicator> made = std::move(*c);
-  comm_reg r;
-  r.what = comm_reg::kind::part;
-  r.slot = slot;
-  r.c = made;
-  I.note_comm(std::move(r)); // a loss or a newer epoch that came meanwhile reaches it there
+  I.note_comm({.what = comm_reg::kind::part, .slot = slot, .c = made}); // a loss or a newer epoch that came meanwhile reaches it there
   if (auto p = world->poisoned())
     made->abort(p);
   I.parts[slot] = std::move(made);
@@ -1620,10 +1610,7 @@ expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll:
   if (auto& d = I.devs[slot]; d && I.dev_epochs[slot] == epoch && d->members().ranks == part.ranks)
     return d.get();
   if (I.devs[slot]) {
-    comm_reg forget;
-    forget.what = comm_reg::kind::device;
-    forget.slot = slot;
-    I.note_comm(std::move(forget));
+    I.note_comm({.what = comm_reg::kind::device, .slot = slot, .c = nullptr}); // forgotten
     I.devs[slot].reset();
   }
   // A loss that ends this epoch while its communicator is built poisons
@@ -1654,11 +1641,7 @@ expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll:
                I.o.rank, epoch, slot, I.o.device_collectives == kind::host ? "host backend" : "NCCL",
                members, static_cast<double>(mono_ns() - t0) / 1e6);
   std::shared_ptr<coll::communicator> d = std::move(*made);
-  comm_reg r;
-  r.what = comm_reg::kind::device;
-  r.slot = slot;
-  r.c = d;
-  I.note_comm(std::move(r));
+  I.note_comm({.what = comm_reg::kind::device, .slot = slot, .c = d});
   if (auto p = world->poisoned())
     d->abort(p);
   I.devs[slot] = std::move(d);
