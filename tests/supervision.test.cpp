@@ -716,6 +716,10 @@ TEST_CASE("losing the coordinator: training goes on, a restarted coordinator reb
     }
     // Every rank that finished has the weights of the run without faults.
     auto ws = weights_of(out);
+    // On a failure: what the workers said (the restarted one's catch-up).
+    const auto worker_logs = slurp(base + ".w0") + slurp(base + ".w1")
+                             + (with_worker ? slurp(base + ".w2b") : std::string());
+    INFO("the workers' logs:\n", worker_logs);
     CHECK(ws.size() == 3);
     for (auto& w : ws)
       CHECK(w == reference_weights());

@@ -152,11 +152,11 @@ std::vector<double> fault_to_commit(const std::vector<event>& ev) {
 
 /// The host backend's broadcast of `bytes` between two workers (two UCP
 /// workers of this process: the same shared-memory transports as two
-/// processes), in the catch-up's 8 MiB chunks and eager protocol, on an
-/// otherwise idle machine: the collectives' bandwidth the catch-up's is
-/// held against. `cold`: the first broadcast of fresh workers, on the
-/// catch-up's kind of context (coll::transfer_context), as a catch-up's
-/// is; `warm`: the best of three after a first, on that kind and on a
+/// processes), in chunks of a catch-up piece's size and eager protocol, on
+/// an otherwise idle machine: the collectives' bandwidth the catch-up's is
+/// held against. `cold`: the first broadcast of fresh workers, on a
+/// one-shot transfer context (coll::transfer_context), sent-once buffers
+/// as a catch-up's are; `warm`: the best of three after a first, on that kind and on a
 /// training context (UCX's default FIFO), whichever is faster. NAN when it
 /// fails.
 struct bcast_rate {
@@ -479,8 +479,8 @@ int main(int argc, char** argv) {
     row out;
     std::smatch m;
     if (std::regex_search(r.output, m,
-                          std::regex("received the snapshot of step [0-9]+ from rank [0-9]+ "
-                                     "\\(session [0-9]+\\): ([0-9.]+) MB in ([0-9.]+) s")))
+                          std::regex("snapshot of step [0-9]+ sent to rank [0-9]+ "
+                                     "\\(([0-9.]+) MB in ([0-9.]+) s")))
       out.mb = std::stod(m[1].str()), out.secs = std::stod(m[2].str());
     // Rank 0's progress line of every step: "step N ... step X ms".
     std::map<double, double> step_ms;
@@ -575,13 +575,14 @@ int main(int argc, char** argv) {
     "processes share the two cores with the survivors, so the figure there is mostly\n"
     "oversubscription. assign->admitted includes the source's next step boundary and the\n"
     "500 ms join window. With --catchup-nice 10 the threads serving and receiving the\n"
-    "catch-up run 10 nice levels lower. Snapshot GB/s: the state over the joiner's time\n"
-    "from sending 'ready' to sending 'received' (start-up and endpoints excluded). It is\n"
+    "catch-up run 10 nice levels lower. Snapshot GB/s: the state over the source's time\n"
+    "from sending its first piece to the joiner's acknowledgement of its last (over the\n"
+    "actor mesh; start-up and the request excluded). It is\n"
     "held against the host backend's broadcast of the same bytes between two idle\n"
     "workers of one process, same run: warm (the best of three after a first, on a\n"
-    "catch-up's kind of context or a training one, whichever is faster; the\n"
+    "one-shot transfer context or a training one, whichever is faster; the\n"
     "collectives' bandwidth, the goal's measure) and cold (the first broadcast of fresh\n"
-    "workers on a catch-up's kind of context, as the catch-up's is). A survivor serves\n"
+    "workers on a transfer context: sent-once buffers, as a catch-up's are). A survivor serves\n"
     "from a thread beside its trainer's, on a core the trainer keeps busy.\n\n");
 
   fmt::print("## peers, published figures (for scale; other hardware and scale)\n\n");

@@ -1,5 +1,7 @@
 #include "actors/supervisor.hpp"
 
+#include "actors/catchup.hpp"
+
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "core/pages.hpp"
@@ -20,6 +22,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -33,8 +36,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr uint64_t catchup_epoch_base = uint64_t{1} << 15;
-
 bool includes(const wire::epoch_notice& n, uint32_t rank, uint64_t incarnation) {
   for (size_t i = 0; i < n.ranks.size(); ++i)
     if (n.ranks[i] == rank && (i >= n.incarnations.size() || n.incarnations[i] == incarnation))
@@ -46,39 +47,9 @@ bool has_rank(const std::vector<uint32_t>& ranks, uint32_t rank) {
   return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
 }
 
-/// The catch-up's bulk broadcasts, which both peers are already in: polled
-/// without the naps its communicators take while they wait for a step.
-const coll::op_options transfer_op = [] {
-  coll::op_options o;
-  o.transfer = true;
-  return o;
-}();
-
-/// Catch-up moves whole state buffers between two processes: large chunks
-/// (fewer messages), the rest as for training.
-coll::host_options catchup_host_options(const supervisor_options& o) {
-  auto h = o.host;
-  h.chunk_bytes = std::max<size_t>(h.chunk_bytes, o.catchup_chunk_bytes);
-  // Catch-up runs beside training: it must not spin on a core the trainers
-  // need while it waits for its peer (a joiner waits a whole step for each
-  // update): it sleeps on the worker's events.
-  h.spin_before_yield = 1;
-  h.sleep_when_idle = std::chrono::milliseconds(2);
-  h.idle_polls_before_sleep = 100;
-  // It broadcasts (and the shared-memory ring would sleep through its
-  // slices: nothing wakes the worker's descriptor for it).
-  h.shared_memory_ring = false;
-  return h;
-}
-
 } // namespace
 
-uint64_t catchup_epoch(uint64_t session) {
-  return catchup_epoch_base + session % catchup_epoch_base;
-}
-
-/// A catch-up snapshot's buffers: params, adam_m, adam_v, scalars
-/// (train_state's order) as parts of one mapping, each on a cache line. On
+/// A catch-up snapshot's buffers: the layout's range as one mapping. On
 /// huge pages a small model's whole state is then a single page fault
 /// where four arrays were hundreds (2 MB: 5.5 ms of faults on these VMs).
 struct snapshot_buffers {
@@ -86,18 +57,11 @@ struct snapshot_buffers {
   page_array memory;
 
   static snapshot_buffers sized(const std::array<size_t, 4>& n, page_array::pages kind) {
-    constexpr size_t align = 16; // floats
-    auto up = [](size_t x) { return (x + align - 1) / align * align; };
-    size_t total = 0;
-    for (size_t x : n)
-      total += up(x);
+    const snapshot_layout l(n);
     snapshot_buffers b;
-    b.memory = page_array(total, kind);
-    size_t at = 0;
-    for (size_t i = 0; i < n.size(); ++i) {
-      b.parts[i] = {b.memory.data() + at, n[i]};
-      at += up(n[i]);
-    }
+    b.memory = page_array(l.total, kind);
+    for (size_t i = 0; i < n.size(); ++i)
+      b.parts[i] = {b.memory.data() + l.at[i], n[i]};
     return b;
   }
 };
@@ -114,6 +78,7 @@ struct supervisor_view {
   std::vector<uint32_t> newest_ranks;
   bool snapshot_owed = false; // a prepared session waits for the next boundary
   bool streaming = false;     // a session takes the committed updates
+  uint64_t join_session = 0; // the newest catch-up session assigned to this rank as joiner
   std::shared_ptr<coordinator_client> client;
 
   uint64_t losses(uint32_t r) const {
@@ -146,8 +111,6 @@ using owed_atom = caf::atom_constant<caf::atom("owed")>;
 using taken_atom = caf::atom_constant<caf::atom("taken")>;
 using enter_atom = caf::atom_constant<caf::atom("enter")>;
 using enter_to_atom = caf::atom_constant<caf::atom("enterto")>;
-using take_ctx_atom = caf::atom_constant<caf::atom("takectx")>;
-using give_ctx_atom = caf::atom_constant<caf::atom("givectx")>;
 using abort_atom = caf::atom_constant<caf::atom("abort")>;
 using stop_atom = caf::atom_constant<caf::atom("stop")>;
 using shutdown_atom = caf::atom_constant<caf::atom("shutdown")>;
@@ -195,18 +158,21 @@ struct enter_msg {
 /// supervisor only to abort it. Every holder but the trainer's thread lets
 /// go of it first, so a communicator always dies on the thread that used it.
 struct comm_reg {
-  enum class kind : uint8_t { epoch, part, device, join } what = kind::epoch;
+  enum class kind : uint8_t { epoch, part, device } what = kind::epoch;
   size_t slot = 0;
   std::shared_ptr<coll::communicator> c;
-  uint32_t source = 0;        // join
-  uint64_t losses_before = 0; // join
 };
 
-/// From a serving helper.
+/// From a serving helper: its joiner asked, and the buffers are ready.
 struct prepared_msg {
   uint64_t session = 0;
-  std::shared_ptr<coll::communicator> c;
   std::shared_ptr<snapshot_buffers> buf;
+};
+/// A joiner's request, handed by the supervisor to the session's helper
+/// with the joiner's address (the request's sender, a mesh proxy).
+struct joiner_request {
+  wire::catchup_request r;
+  caf::actor from;
 };
 /// A snapshot the trainer owes a session, and then has taken.
 struct owed_snapshot {
@@ -251,7 +217,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::reconnected_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::watch_msg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::owed_list)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::owed_snapshot)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<cmesh::coll::host_context>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::actors::joiner_request)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::report)
 
 namespace cmesh::actors {
@@ -261,14 +227,13 @@ namespace {
 /// The supervisor actor's record of a session it serves.
 struct session_rec {
   session_ptr sh;
-  caf::actor helper;                        // spawned once the state's sizes are known
-  std::shared_ptr<coll::communicator> comm; // from prepared until the session ends
-  std::shared_ptr<snapshot_buffers> buf;    // from prepared until the snapshot is taken
-  bool want_snapshot = true;                // until the trainer copies it
-  bool end = false;                         // the stream's end was sent to the helper
-  bool broken = false;                      // cut off, replaced or failed
-  size_t backlog = 0;                       // updates forwarded and not yet streamed
-  bool prepared() const { return comm != nullptr; }
+  caf::actor helper;                     // spawned once the state's sizes are known
+  std::shared_ptr<snapshot_buffers> buf; // from prepared until the snapshot is taken
+  bool want_snapshot = true;             // until the trainer copies it
+  bool end = false;                      // the stream's end was sent to the helper
+  bool broken = false;                   // cut off, replaced or failed
+  size_t backlog = 0;                    // updates forwarded and not acknowledged by the joiner
+  bool prepared() const { return buf != nullptr; }
   /// Prepared, and waiting for the trainer's copy at its next boundary.
   bool owes_snapshot() const { return !broken && want_snapshot && prepared(); }
   /// Taking the committed updates.
@@ -298,16 +263,7 @@ struct supervisor_state {
   std::shared_ptr<coll::communicator> comm;
   std::array<std::shared_ptr<coll::communicator>, 2> parts, devs;
   std::shared_ptr<std::atomic<bool>> dev_abort; // stops an NCCL creation in progress
-  std::shared_ptr<coll::communicator> join_comm;
-  uint32_t join_source = 0;
-  uint64_t join_losses_before = 0;
   std::map<uint64_t, session_rec> sessions; // as source, by session id
-  /// A catch-up context made at start-up, so that neither a source nor a
-  /// joiner creates a UCP context (20-80 ms of CPU on these machines) while
-  /// training runs beside it. Taken by one session at a time, given back
-  /// after a clean end (a failed session's worker may hold a dead peer's
-  /// leftovers, so it is dropped).
-  std::shared_ptr<coll::host_context> spare_ctx;
   /// Sizes of this rank's params, moments and scalars, from the trainer's
   /// step boundaries: a helper prepares snapshot buffers of these sizes.
   std::optional<std::array<size_t, 4>> state_sizes;
@@ -332,6 +288,7 @@ struct supervisor_state {
   void on_notice(const wire::epoch_notice& n);
   void on_assign(const wire::catchup_assign& a);
   void dial(const std::vector<rank_incarnation>& wanted);
+  void redial_partners();
   void abort_epoch(const caf::error& why);
   void abort_if_left_out();
   void answer();
@@ -364,6 +321,7 @@ void supervisor_state::publish() {
     v->snapshot_owed = v->snapshot_owed || s.owes_snapshot();
     v->streaming = v->streaming || s.streaming();
   }
+  v->join_session = join ? join->session : 0;
   v->client = client;
   pub->v.store(std::move(v), std::memory_order_release);
 }
@@ -412,6 +370,7 @@ void supervisor_state::beacon() {
     reconnect();
   else
     send_status();
+  redial_partners();
   self->delayed_send(self, o.beacon_interval, beacon_atom::value);
 }
 
@@ -471,8 +430,6 @@ void supervisor_state::abort_if_left_out() {
   if (failed) {
     if (comm)
       abort_epoch(make_error(errc::unrecoverable, failed->reason));
-    if (join_comm)
-      join_comm->abort(make_error(errc::unrecoverable, failed->reason));
     return;
   }
   if (comm) {
@@ -484,9 +441,6 @@ void supervisor_state::abort_if_left_out() {
       }
     }
   }
-  if (join_comm && lost_count[join_source] > join_losses_before)
-    join_comm->abort(make_error(errc::peer_lost,
-                                fmt::format("catch-up source rank {} was lost", join_source)));
   if (!newest)
     return;
   if (comm && newest->epoch > comm->members().epoch && newest->abort_running) {
@@ -505,24 +459,38 @@ void supervisor_state::abort_if_left_out() {
       }
     }
   }
-  if (join_comm && !has_rank(newest->ranks, join_source))
-    join_comm->abort(make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the "
-                                                             "job in epoch {}",
-                                                             join_source, newest->epoch)));
 }
 
 /// The mesh follows the membership: `wanted` dialled at the addresses of
 /// the latest peer table.
 void supervisor_state::dial(const std::vector<rank_incarnation>& wanted) {
-  if (o.mesh == nullptr || !client)
+  if (o.net == nullptr || !client)
     return;
   auto table = client->latest_table();
   if (!table)
     return;
   for (auto& e : entries_to_dial(*table, wanted, o.rank))
-    if (auto err = o.mesh->connect_peer(e))
+    if (auto err = o.net->connect_peer(e))
       spdlog::warn("supervisor: cannot dial rank {} (incarnation {}): {}", e.rank, e.incarnation,
                    describe(err));
+}
+
+/// Catch-up partners the transport does not hold at the incarnation their
+/// session names (the peer table that brought a joiner's address came
+/// after its assignment, or a dial failed) are dialled again at each beacon.
+void supervisor_state::redial_partners() {
+  if (o.net == nullptr || stopping)
+    return;
+  std::vector<rank_incarnation> wanted;
+  for (auto& [id, s] : sessions) {
+    const auto& a = s.sh->assign;
+    if (!s.broken && !s.end && o.net->peer_incarnation(a.joiner) != a.joiner_incarnation)
+      wanted.push_back({a.joiner, a.joiner_incarnation});
+  }
+  if (join && join->session > 0 && o.net->peer_incarnation(join->source) == 0)
+    wanted.push_back({join->source, 0});
+  if (!wanted.empty())
+    dial(wanted);
 }
 
 void supervisor_state::on_notice(const wire::epoch_notice& n) {
@@ -549,11 +517,9 @@ void supervisor_state::on_notice(const wire::epoch_notice& n) {
 void supervisor_state::on_assign(const wire::catchup_assign& a) {
   if (a.joiner == o.rank && a.joiner_incarnation == o.incarnation) {
     dial({{a.source, 0}}); // a member: the table's entry is its running incarnation
-    if (!join || a.session > join->session) {
+    if (!join || a.session > join->session) { // a session in progress ends (view.join_session)
       join = a;
       join_source_losses = lost_count[a.source];
-      if (join_comm)
-        join_comm->abort(make_error(errc::aborted, "a newer catch-up session was assigned"));
     }
     return;
   }
@@ -577,10 +543,8 @@ void supervisor_state::cut_off(session_rec& s, const caf::error& why) {
   s.broken = true;
   s.backlog = 0;
   s.sh->cancelled.store(true);
-  if (s.comm)
-    s.comm->abort(why);
   if (s.helper)
-    caf::anon_send(s.helper, stop_atom::value);
+    caf::anon_send(s.helper, stop_atom::value, why);
 }
 
 void supervisor_state::on_commit(const commit_msg& m) {
@@ -696,8 +660,7 @@ void supervisor_state::answer() {
 }
 
 void serve_session(caf::blocking_actor* self, caf::actor sup, session_ptr sh,
-                   supervisor_options o, std::shared_ptr<coordinator_client> client,
-                   std::shared_ptr<coll::host_context> spare, std::array<size_t, 4> sizes,
+                   supervisor_options o, std::array<size_t, 4> sizes,
                    std::shared_ptr<view_cell> pub);
 
 void supervisor_state::spawn_helpers() {
@@ -711,8 +674,7 @@ void supervisor_state::spawn_helpers() {
       continue;
     }
     s.helper = self->home_system().spawn(serve_session, caf::actor_cast<caf::actor>(self), s.sh, o,
-                                         client, std::exchange(spare_ctx, nullptr), *state_sizes,
-                                         pub);
+                                         *state_sizes, pub);
   }
 }
 
@@ -738,11 +700,6 @@ void supervisor_state::register_comm(comm_reg& r) {
     case kind::device:
       devs.at(r.slot) = std::move(r.c);
       break;
-    case kind::join:
-      join_comm = std::move(r.c);
-      join_source = r.source;
-      join_losses_before = r.losses_before;
-      break;
   }
   abort_if_left_out();
 }
@@ -753,8 +710,6 @@ void supervisor_state::stop() {
   stopping = true;
   auto why = make_error(errc::closed, "the supervisor is stopping");
   abort_epoch(why);
-  if (join_comm)
-    join_comm->abort(why);
   for (auto& [id, s] : sessions)
     cut_off(s, why);
   client->on_control({});
@@ -870,39 +825,39 @@ caf::message_handler epochs(supervisor_self* self) {
   };
 }
 
-/// The catch-up contexts, and the helpers that serve joiners.
+/// The helpers that serve joiners, and the joiners' requests.
 caf::message_handler catchup_sessions(supervisor_self* self) {
   return {
-    [self](take_ctx_atom) { return std::exchange(self->state.spare_ctx, nullptr); },
-    [self](give_ctx_atom, std::shared_ptr<coll::host_context>& c) {
+    [self](wire::catchup_request& r) {
+      // From a joiner over the mesh: for the session's helper. One that
+      // comes before the assignment or the helper is dropped; the joiner
+      // asks again.
       auto& S = self->state;
-      if (!S.spare_ctx && !S.stopping)
-        S.spare_ctx = std::move(c);
+      auto it = S.sessions.find(r.session);
+      if (it == S.sessions.end() || !it->second.helper || it->second.broken
+          || r.incarnation != it->second.sh->assign.joiner_incarnation)
+        return;
+      self->send(it->second.helper,
+                 joiner_request{std::move(r), caf::actor_cast<caf::actor>(self->current_sender())});
     },
     [self](const prepared_msg& m) {
       auto& S = self->state;
       auto it = S.sessions.find(m.session);
-      if (it == S.sessions.end())
+      if (it == S.sessions.end() || it->second.broken || S.stopping)
         return;
-      if (it->second.broken || S.stopping) {
-        m.c->abort(make_error(errc::aborted, "the catch-up session is over"));
-        return;
-      }
-      it->second.comm = m.c;
       it->second.buf = m.buf;
       S.publish();
       S.answer();
     },
-    [self](streamed_atom, uint64_t session) {
+    [self](streamed_atom, uint64_t session, uint64_t acked) {
       auto& S = self->state;
-      if (auto it = S.sessions.find(session); it != S.sessions.end() && it->second.backlog > 0)
-        --it->second.backlog;
+      if (auto it = S.sessions.find(session); it != S.sessions.end())
+        it->second.backlog -= std::min<size_t>(it->second.backlog, acked);
     },
     [self](const session_end_msg& m) {
       auto& S = self->state;
       if (auto it = S.sessions.find(m.session); it != S.sessions.end()) {
         auto& s = it->second;
-        s.comm.reset();
         s.helper = nullptr;
         s.broken = s.broken || !m.clean;
         s.end = true;
@@ -945,9 +900,6 @@ caf::message_handler lifecycle(supervisor_self* self) {
       S.comm.reset();
       S.parts = {};
       S.devs = {};
-      S.join_comm.reset();
-      for (auto& [id, s] : S.sessions)
-        s.comm.reset();
       self->quit();
       return true;
     },
@@ -977,165 +929,225 @@ caf::behavior supervisor_actor(supervisor_self* self, supervisor_options o,
                          .or_else(lifecycle(self))};
 }
 
-/// A catch-up's context: the spare one the supervisor kept, else a fresh one.
-expected<std::shared_ptr<coll::host_context>> spare_or_fresh(std::shared_ptr<coll::host_context> spare,
-                                                             uint32_t rank) {
-  if (spare)
-    return spare;
-  return coll::transfer_context(rank);
+/// Why a session this rank serves must end now, or none.
+caf::error source_cut(const session_shared& sh, const view_cell& pub) {
+  if (pub.get()->stopping)
+    return make_error(errc::closed, "the supervisor is stopping");
+  if (sh.cancelled.load())
+    return make_error(errc::aborted, "the catch-up session was replaced or cut off");
+  return {};
 }
 
-/// After a clean session only: its peer is done with the context (the
-/// stream's end marker was the last message), so the supervisor keeps it
-/// for the next session, with another peer, which then needs no fresh worker.
-void give_back_ctx(const caf::actor& sup, std::shared_ptr<coll::host_context> ctx) {
-  ctx->quiesced();
-  caf::anon_send(sup, give_ctx_atom::value, std::move(ctx));
+/// One session this rank serves as catch-up source, on its helper's
+/// thread: what has come in so far, and the waits for the next of it.
+struct source_session {
+  caf::blocking_actor* self;
+  caf::actor sup;
+  session_ptr sh;
+  std::shared_ptr<view_cell> pub;
+  const wire::catchup_assign& a;
+  std::optional<joiner_request> request{};
+  std::optional<owed_snapshot> snap{};
+  std::deque<commit_msg> commits{}; // forwarded by the supervisor, not yet sent
+  uint64_t acked_pieces = 0, acked_updates = 0;
+  bool end = false; // the supervisor ended the stream: the joiner is admitted
+  caf::error failed{};
+  int64_t last_news = mono_ns(); // of the joiner or the supervisor
+
+  static constexpr auto tick = std::chrono::milliseconds(100);
+
+  /// Waits up to one tick for a message and takes note of it.
+  void pump() {
+    self->receive(
+      [&](joiner_request& r) {
+        if (!request)
+          request = std::move(r);
+      },
+      [&](send_snap_atom, owed_snapshot& t) { snap = std::move(t); },
+      [&](commit_msg& m) { commits.push_back(std::move(m)); },
+      [&](end_atom) { end = true; },
+      [&](stop_atom, caf::error& why) {
+        if (!failed)
+          failed = std::move(why);
+      },
+      [&](wire::catchup_ack& k) {
+        if (k.session != a.session)
+          return;
+        last_news = mono_ns();
+        acked_pieces = std::max(acked_pieces, k.pieces);
+        if (k.updates > acked_updates) {
+          caf::anon_send(sup, streamed_atom::value, a.session, k.updates - acked_updates);
+          acked_updates = k.updates;
+        }
+      },
+      [&](caf::down_msg& d) {
+        if (!failed)
+          failed = make_error(errc::peer_lost, fmt::format("catch-up joiner rank {} was lost ({})",
+                                                           a.joiner, describe(d.reason)));
+      },
+      caf::after(tick) >> [] {});
+    if (!failed)
+      failed = source_cut(*sh, *pub);
+  }
+
+  /// Pumps until `done()` or a failure; `what` is the timeout's error
+  /// after `limit` without news.
+  template <class F>
+  caf::error until(F done, std::chrono::seconds limit, const char* what) {
+    const int64_t since = mono_ns();
+    while (!failed && !done()) {
+      if (mono_ns() - std::max(since, last_news) > limit.count() * 1000000000)
+        return make_error(errc::timeout, fmt::format("{} for {} s", what, limit.count()));
+      pump();
+    }
+    return failed;
+  }
+
+  /// Tells the joiner that the session failed, so that it asks again.
+  void refuse(const caf::error& why) {
+    if (request && code_of(why) != errc::peer_lost)
+      self->send(request->from, wire::catchup_update{a.session, 0, true, describe(why), {}});
+  }
+};
+
+/// Floats in one piece of a catch-up snapshot.
+size_t piece_floats(const supervisor_options& o) {
+  return std::max<size_t>(o.catchup_chunk_bytes / sizeof(float), 16);
 }
 
-/// Sends one joiner its snapshot and the stream of committed updates
-/// after it: the steps of a session, on the helper's thread. `clean`: the
-/// stream ended with its end marker (the context can serve another peer).
-caf::error stream_session(caf::blocking_actor* self, const caf::actor& sup,
-                          const wire::catchup_assign& a, coll::communicator& comm,
-                          int64_t cpu_setup, bool& clean) {
-  const auto cpu_prepared = thread_cpu_ns();
-  std::optional<owed_snapshot> snap;
-  bool over = false;
-  self->receive([&](send_snap_atom, owed_snapshot& t) { snap = std::move(t); },
-                [&](end_atom) { over = true; }, [&](stop_atom) { over = true; },
-                caf::after(std::chrono::seconds(600)) >> [] {});
-  if (over)
-    return make_error(errc::aborted, "the session ended before its snapshot");
-  if (!snap)
-    return make_error(errc::timeout, "no step boundary for 600 s");
-  const size_t n_params = snap->buf->parts[0].size();
-  int64_t hdr[2] = {static_cast<int64_t>(snap->step), static_cast<int64_t>(n_params)};
-  caf::error e = comm.broadcast(hdr, 2, coll::dtype::int64, 0);
-  // The joiner says when it has checked the header and waits for the
-  // state, and when it holds all of it. The time from the first word to
-  // the last is the transfer's (the joiner's start-up and endpoints are not
-  // in it). Each array's broadcast itself waits for the joiner's receives
-  // to be posted (an eager stream ahead of them would fill UCX's unexpected
-  // queue with fresh buffers). The joiner answers the header at once: its
-  // word is awaited without naps (a nap is up to 2 ms of a transfer of a few).
-  int64_t joiner_says = 0;
-  if (!e)
-    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
-  auto t0 = mono_ns();
-  for (auto part : snap->buf->parts)
-    if (!e)
-      e = comm.broadcast(part.data(), part.size(), coll::dtype::float32, 0, transfer_op);
-  if (!e)
-    e = comm.broadcast(&joiner_says, 1, coll::dtype::int64, 1, transfer_op);
-  if (e)
-    return e;
-  double secs = static_cast<double>(mono_ns() - t0) / 1e9;
-  double mb = 3.0 * static_cast<double>(n_params * sizeof(float)) / 1e6;
-  snap->buf.reset(); // the snapshot is sent: its memory goes back
-  spdlog::info("supervisor: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.3f} s, "
-               "{:.2f} GB/s; CPU from the prepared communicator {:.1f} ms)",
-               a.session, snap->step, a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9),
-               (thread_cpu_ns() - cpu_prepared) / 1e6);
-  const auto cpu_sent = thread_cpu_ns();
+/// Sends the snapshot's range in pieces of catchup_chunk_bytes (the last
+/// shorter), at most `window` unacknowledged, each a bulk payload that
+/// points into the snapshot's buffers (no copy).
+caf::error send_snapshot(source_session& s, const supervisor_options& o) {
+  auto& snap = *s.snap;
+  const size_t total = snap.buf->memory.size(), per = piece_floats(o);
+  const size_t n_pieces = (total + per - 1) / per; // the layout's pieces(per)
+  const size_t window = std::max<size_t>(o.catchup_window, 1);
+  const auto cpu0 = thread_cpu_ns();
+  const auto t0 = mono_ns();
+  size_t sent = 0;
+  while (s.acked_pieces < n_pieces) {
+    for (; sent < n_pieces && sent < s.acked_pieces + window; ++sent) {
+      const size_t at = sent * per, n = std::min(per, total - at);
+      float* from = snap.buf->memory.data() + at;
+      wire::catchup_piece m{s.a.session, snap.step, at, {}};
+      m.payload = bulk(std::shared_ptr<uint8_t[]>(snap.buf, reinterpret_cast<uint8_t*>(from)),
+                       n * sizeof(float));
+      s.self->send(s.request->from, std::move(m));
+    }
+    auto room = [&] {
+      return sent < n_pieces ? s.acked_pieces + window > sent : s.acked_pieces >= n_pieces;
+    };
+    if (auto e = s.until(room, std::chrono::seconds(60), "no acknowledgement of a snapshot piece"))
+      return e;
+  }
+  const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
+  const double mb = static_cast<double>(total * sizeof(float)) / 1e6;
+  spdlog::info("supervisor: session {}: snapshot of step {} sent to rank {} ({:.1f} MB in {:.4f} s, "
+               "{:.2f} GB/s, {} pieces; CPU {:.1f} ms)",
+               s.a.session, snap.step, s.a.joiner, mb, secs, mb / 1e3 / std::max(secs, 1e-9),
+               n_pieces, (thread_cpu_ns() - cpu0) / 1e6);
+  snap.buf.reset(); // sent: its memory goes back
+  return {};
+}
+
+/// Sends each committed update the supervisor forwards, until it ends the
+/// stream (the epoch that admits the joiner) with the end marker.
+caf::error stream_updates(source_session& s) {
+  const auto cpu0 = thread_cpu_ns();
   uint64_t streamed = 0;
   for (;;) {
-    std::optional<commit_msg> item;
-    int what = 0; // 1: an update, 2: the end, 3: stopped
-    // A step takes well under this; silence this long means training stopped.
-    self->receive([&](commit_msg& m) { item = std::move(m); what = 1; },
-                  [&](end_atom) { what = 2; }, [&](stop_atom) { what = 3; },
-                  caf::after(std::chrono::seconds(600)) >> [] {});
-    if (what == 0)
-      return make_error(errc::timeout, "no committed step to stream for 600 s");
-    if (what == 3)
-      return make_error(errc::aborted, "the catch-up session was cut off");
-    if (what == 2) {
-      int64_t end[2] = {-1, 0};
-      if (auto err = comm.broadcast(end, 2, coll::dtype::int64, 0))
-        return err;
-      spdlog::info("supervisor: session {}: stream to rank {} ended after {} update(s) (CPU {:.1f} ms;"
-                   " the whole session {:.1f} ms)",
-                   a.session, a.joiner, streamed, (thread_cpu_ns() - cpu_sent) / 1e6,
-                   (thread_cpu_ns() - cpu_setup) / 1e6);
-      clean = true;
+    for (; !s.commits.empty(); s.commits.pop_front()) {
+      const auto& u = s.commits.front().update;
+      wire::catchup_update m{s.a.session, s.commits.front().k, false, {}, {}};
+      m.payload = bulk(std::shared_ptr<uint8_t[]>(u, reinterpret_cast<uint8_t*>(
+                                                       const_cast<float*>(u->data()))),
+                       u->size() * sizeof(float));
+      s.self->send(s.request->from, std::move(m));
+      ++streamed;
+      s.last_news = mono_ns();
+    }
+    if (s.end) {
+      // The end marker follows the joiner's acknowledgement of the last
+      // update: nothing of this session reaches the helper after it ends.
+      if (auto e = s.until([&] { return s.acked_updates >= streamed; }, std::chrono::seconds(60),
+                           "no acknowledgement of the last update"))
+        return e;
+      s.self->send(s.request->from, wire::catchup_update{s.a.session, 0, true, {}, {}});
+      spdlog::info("supervisor: session {}: stream to rank {} ended after {} update(s) (CPU {:.1f} ms)",
+                   s.a.session, s.a.joiner, streamed, (thread_cpu_ns() - cpu0) / 1e6);
       return {};
     }
-    const auto& u = *item->update;
-    int64_t h[2] = {static_cast<int64_t>(item->k), static_cast<int64_t>(u.size())};
-    if (auto err = comm.broadcast(h, 2, coll::dtype::int64, 0))
-      return err;
-    if (auto err = comm.broadcast(const_cast<float*>(u.data()), u.size(), coll::dtype::float32, 0,
-                                  transfer_op))
-      return err;
-    ++streamed;
-    caf::anon_send(sup, streamed_atom::value, a.session);
+    // A step takes well under this; silence this long means training stopped.
+    if (auto e = s.until([&] { return s.end || !s.commits.empty(); }, std::chrono::seconds(600),
+                         "no committed step to stream"))
+      return e;
   }
+}
+
+/// The steps of a session after its buffers are ready: the joiner's
+/// request, the snapshot at the trainer's next boundary, the stream.
+caf::error serve_joiner(source_session& s, const supervisor_options& o,
+                        const std::shared_ptr<snapshot_buffers>& buf) {
+  auto asked = [&] { return s.request.has_value(); };
+  if (auto e = s.until(asked, std::chrono::seconds(5), "no catch-up request from the joiner");
+      code_of(e) == errc::timeout) {
+    spdlog::warn("supervisor: session {}: no request from rank {} after 5 s (the transport holds "
+                 "its incarnation {:x}; the session names {:x})",
+                 s.a.session, s.a.joiner, o.net ? o.net->peer_incarnation(s.a.joiner) : 0,
+                 s.a.joiner_incarnation);
+    e = s.until(asked, std::chrono::seconds(55), "no catch-up request from the joiner");
+    if (e)
+      return e;
+  } else if (e) {
+    return e;
+  }
+  const auto& want = s.request->r.sizes;
+  for (size_t i = 0; i < buf->parts.size(); ++i)
+    if (want.size() != buf->parts.size() || want[i] != buf->parts[i].size())
+      return make_error(errc::invalid_argument,
+                        fmt::format("the joiner's state has another shape ({} parameters; this "
+                                    "model has {})",
+                                    want.empty() ? 0 : want[0], buf->parts[0].size()));
+  s.self->monitor(s.request->from);
+  s.self->send(s.sup, prepared_msg{s.a.session, buf});
+  if (auto e = s.until([&] { return s.snap.has_value() || s.end; }, std::chrono::seconds(600),
+                       "no step boundary"))
+    return e;
+  if (!s.snap)
+    return make_error(errc::aborted, "the session ended before its snapshot");
+  if (auto e = send_snapshot(s, o))
+    return e;
+  return stream_updates(s);
 }
 
 /// The helper actor of one session this rank serves as catch-up source.
 /// Prepared before the snapshot, here: the buffers are allocated and their
 /// pages touched on this thread, on huge pages (a fresh 100 MB vector filled
-/// on the trainer's thread cost it 270 ms of page faults), and the
-/// communicator is built, so that at the step boundary the trainer only
-/// copies (6 ms for 100 MB).
+/// on the trainer's thread cost it 270 ms of page faults), so that at the
+/// step boundary the trainer only copies (6 ms for 100 MB).
 void serve_session(caf::blocking_actor* self, caf::actor sup, session_ptr sh,
-                   supervisor_options o, std::shared_ptr<coordinator_client> client,
-                   std::shared_ptr<coll::host_context> spare, std::array<size_t, 4> sizes,
+                   supervisor_options o, std::array<size_t, 4> sizes,
                    std::shared_ptr<view_cell> pub) {
   if (!lower_thread_priority(o.catchup_nice))
     spdlog::debug("supervisor: cannot lower the catch-up thread's priority: {}",
                   std::strerror(errno));
   const auto& a = sh->assign;
   const auto t_setup = mono_ns();
-  const auto cpu_setup = thread_cpu_ns();
   auto buf = std::make_shared<snapshot_buffers>(snapshot_buffers::sized(sizes, page_array::pages::huge));
   std::fill(buf->memory.begin(), buf->memory.end(), 0.0f); // fault the pages in here
-  const auto t_buffers = mono_ns();
-  std::shared_ptr<coll::host_context> ctx;
-  std::shared_ptr<coll::communicator> comm;
-  bool clean = false;
-  caf::error e;
-  if (auto c = spare_or_fresh(std::move(spare), o.rank))
-    ctx = std::move(*c);
-  else
-    e = c.error();
-  const auto t_ctx = mono_ns();
-  // Nothing tells a source that its joiner died: its session ends when the
-  // supervisor stops, when a newer session replaces it, or at the timeout.
-  coll::peer_status status = [sh, pub](uint32_t) -> caf::error {
-    if (pub->get()->stopping)
-      return make_error(errc::closed, "the supervisor is stopping");
-    if (sh->cancelled.load())
-      return make_error(errc::aborted, "the catch-up session was replaced or cut off");
-    return {};
-  };
-  if (!e) {
-    auto c = coll::make_host_communicator(ctx, {catchup_epoch(a.session), {o.rank, a.joiner}},
-                                          *client, status, catchup_host_options(o));
-    if (c)
-      comm = std::move(*c);
-    else
-      e = c.error();
+  spdlog::info("supervisor: session {}: buffers for rank {} ready in {:.1f} ms", a.session,
+               a.joiner, (mono_ns() - t_setup) / 1e6);
+  source_session s{self, sup, sh, pub, a};
+  auto e = serve_joiner(s, o, buf);
+  if (e) {
+    s.refuse(e);
+    if (!sh->cancelled.load() && !pub->get()->stopping)
+      spdlog::warn("supervisor: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
+                   describe(e));
   }
-  if (!e) {
-    spdlog::info("supervisor: session {}: prepared for rank {} in {:.1f} ms (buffers {:.1f}, "
-                 "context {:.1f}, communicator {:.1f}; CPU {:.1f})",
-                 a.session, a.joiner, (mono_ns() - t_setup) / 1e6, (t_buffers - t_setup) / 1e6,
-                 (t_ctx - t_buffers) / 1e6, (mono_ns() - t_ctx) / 1e6,
-                 (thread_cpu_ns() - cpu_setup) / 1e6);
-    self->send(sup, prepared_msg{a.session, comm, std::move(buf)});
-    e = stream_session(self, sup, a, *comm, cpu_setup, clean);
-  }
-  if (e && !sh->cancelled.load() && !pub->get()->stopping)
-    spdlog::warn("supervisor: catch-up session {} to rank {} failed: {}", a.session, a.joiner,
-                 describe(e));
-  // The supervisor lets go of the communicator first: it dies here.
-  self->request(sup, caf::duration{std::chrono::seconds(10)}, session_end_msg{a.session, clean})
+  self->request(sup, caf::duration{std::chrono::seconds(10)}, session_end_msg{a.session, !e})
     .receive([](bool) {}, [](caf::error&) {});
-  comm.reset();
-  if (clean && ctx)
-    give_back_ctx(sup, std::move(ctx));
 }
 
 } // namespace
@@ -1193,10 +1205,22 @@ struct supervisor::impl {
       spdlog::warn("supervisor: {}", describe(ok.error()));
   }
   coll::peer_status member_status(uint64_t epoch) const;
+  /// A host subcommunicator of `world` on `ctx`, made on first use.
+  expected<std::unique_ptr<coll::communicator>> host_part(std::shared_ptr<coll::host_context>& ctx,
+                                                          coll::communicator& world,
+                                                          coll::membership part) {
+    if (!ctx) {
+      auto c = coll::host_context::create(o.rank);
+      if (!c)
+        return c.error();
+      ctx = std::move(*c);
+    }
+    return coll::make_host_subcommunicator(world, ctx, std::move(part),
+                                           member_status(world.members().epoch), o.host);
+  }
   void take_snapshots(const train_state& st);
   expected<coll::communicator*> build_epoch(const wire::epoch_notice& n, uint64_t& after);
   caf::error receive(const enter_reply& r, train_state& st, const apply_update& apply);
-  caf::error receive_stream(coll::communicator& comm, train_state& st, const apply_update& apply);
 };
 
 /// A member of `epoch` is lost when a newer epoch left it out.
@@ -1243,11 +1267,9 @@ supervisor::~supervisor() {
 
 void supervisor::start() {
   auto& I = *impl_;
-  if (auto c = coll::transfer_context(I.o.rank))
-    I.tell(give_ctx_atom::value, std::move(*c));
-  else
-    spdlog::warn("supervisor: no spare catch-up context ({}); a catch-up will make its own",
-                 describe(c.error()));
+  // Joiners' catch-up requests come to it over the mesh.
+  if (I.o.actor_mesh != nullptr)
+    I.o.actor_mesh->publish("supervisor", I.actor);
   client()->on_control([a = I.actor](const control_message& m) {
     caf::anon_send(a, ctl_atom::value, m);
   });
@@ -1430,93 +1452,207 @@ expected<coll::communicator*> supervisor::impl::build_epoch(const wire::epoch_no
   return comm.get();
 }
 
+namespace {
+
+/// This rank's side of a catch-up as joiner, on a thread of the trainer's:
+/// it asks the source, copies the snapshot's pieces into the state,
+/// applies the streamed updates, and acknowledges each.
+struct joiner_session {
+  caf::scoped_actor self;
+  const supervisor_options& o;
+  const wire::catchup_assign& a;
+  uint64_t losses_before; // of the source, heard of when the assignment came
+  std::shared_ptr<view_cell> pub;
+  train_state& st;
+  const apply_update& apply;
+  std::function<void(uint8_t, uint64_t)> status; // (state, step): beaconed at once
+  caf::actor source{};                            // its helper, from its first message
+  uint64_t pieces = 0, updates = 0;
+  snapshot_layout layout{{st.params.size(), st.adam_m.size(), st.adam_v.size(), st.scalars.size()}};
+  size_t have = 0; // floats of the snapshot's range received
+  std::optional<uint64_t> snap_step{};
+  int64_t t_first = 0;
+  bool done = false;
+  caf::error failed{};
+
+  std::array<std::span<float>, 4> arrays() const {
+    return {st.params, st.adam_m, st.adam_v, st.scalars};
+  }
+
+  /// Why the session must end now, or none.
+  caf::error cut() const {
+    auto v = pub->get();
+    if (v->stopping)
+      return make_error(errc::closed, "the supervisor is stopping");
+    if (v->join_session > a.session)
+      return make_error(errc::aborted, "a newer catch-up session was assigned");
+    if (v->losses(a.source) > losses_before)
+      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", a.source));
+    if (v->newest_epoch != 0 && !has_rank(v->newest_ranks, a.source))
+      return make_error(errc::peer_lost,
+                        fmt::format("catch-up source rank {} left the job", a.source));
+    return {};
+  }
+
+  void fail(caf::error e) {
+    if (!failed)
+      failed = std::move(e);
+  }
+
+  /// The transport pulls each piece into a pooled buffer of the piece's
+  /// size (bulk::allocate). In a fresh process those are fresh pages, and
+  /// a pull into them takes a page fault per 4 KiB: the buffers the pieces
+  /// will cycle through are touched here, before the request, and go back
+  /// to the pool.
+  void warm_receive_buffers() {
+    const size_t per = piece_floats(o), n_pieces = layout.pieces(per);
+    std::vector<bulk> warm;
+    for (size_t i = 0; i < std::min(n_pieces, o.catchup_window + 1); ++i)
+      warm.push_back(bulk::allocate(std::min(per, layout.total) * sizeof(float)));
+    if (n_pieces > 1 && layout.total % per != 0)
+      warm.push_back(bulk::allocate(layout.total % per * sizeof(float))); // the last piece
+    for (auto& b : warm)
+      std::memset(b.data(), 0, b.size());
+  }
+
+  void ack() { self->send(source, wire::catchup_ack{a.session, pieces, updates}); }
+
+  void on_piece(const wire::catchup_piece& p) {
+    const size_t total = layout.total, n = p.payload.size() / sizeof(float);
+    if ((snap_step && *snap_step != p.step) || have + n > total)
+      return fail(make_error(errc::invalid_argument,
+                             fmt::format("catch-up piece from rank {} of step {} after {} of {} "
+                                         "floats of step {}",
+                                         a.source, p.step, have, total, snap_step.value_or(p.step))));
+    if (auto e = place_piece(layout, p.offset, p.payload.span(), arrays()))
+      return fail(make_error(errc::invalid_argument,
+                             fmt::format("from rank {}: {}", a.source, describe(e))));
+    if (!snap_step)
+      t_first = mono_ns();
+    snap_step = p.step;
+    have += n;
+    ++pieces;
+    ack();
+    if (have < total)
+      return;
+    st.step = p.step;
+    const double secs = static_cast<double>(mono_ns() - t_first) / 1e9;
+    const double mb = static_cast<double>(total * sizeof(float)) / 1e6;
+    spdlog::info("supervisor: rank {} received the snapshot of step {} from rank {} (session {}): "
+                 "{:.1f} MB in {:.4f} s from its first piece, {:.2f} GB/s",
+                 o.rank, st.step, a.source, a.session, mb, secs, mb / 1e3 / std::max(secs, 1e-9));
+    status(wire::worker_status::ready, st.step);
+  }
+
+  void on_update(const wire::catchup_update& u) {
+    if (u.end) {
+      if (!u.refused.empty())
+        return fail(make_error(errc::aborted, fmt::format("catch-up source rank {} ended the "
+                                                          "session: {}",
+                                                          a.source, u.refused)));
+      if (have < layout.total)
+        return fail(make_error(errc::invalid_argument, "the catch-up stream ended before its "
+                                                       "snapshot was whole"));
+      done = true;
+      return;
+    }
+    if (have < layout.total || u.step != st.step || u.payload.size() != st.params.size() * sizeof(float))
+      return fail(make_error(errc::invalid_argument,
+                             fmt::format("catch-up stream sent step {} ({} bytes) while this rank "
+                                         "is at step {}{}",
+                                         u.step, u.payload.size(), st.step,
+                                         have < layout.total ? " without its snapshot" : "")));
+    apply(st.step, std::span<const float>(reinterpret_cast<const float*>(u.payload.data()),
+                                          st.params.size()));
+    ++st.step;
+    ++updates;
+    ack();
+    status(wire::worker_status::ready, st.step);
+  }
+
+  /// Asks until the source answers (it drops a request that comes before
+  /// it knows the session), then takes what it sends until the stream's
+  /// end, a failure, or silence.
+  caf::error run(mesh& m) {
+    warm_receive_buffers();
+    // A restarted joiner dials its source when the assignment comes: its
+    // proxy is made once the transport holds the source's endpoints (one
+    // made before would be bound to no incarnation).
+    caf::actor to_source;
+    wire::catchup_request req{a.session, o.incarnation, {}};
+    for (auto x : arrays())
+      req.sizes.push_back(x.size());
+    const int64_t start = mono_ns();
+    int64_t asked = 0, heard = start;
+    uint64_t asks = 0;
+    bool said_unreachable = false;
+    while (!done && !failed) {
+      const int64_t now = mono_ns();
+      if (!to_source && o.net != nullptr && o.net->peer_alive(a.source)) {
+        to_source = m.remote(a.source, "supervisor");
+        self->monitor(to_source);
+      }
+      if (to_source && !source && now - asked > 200'000'000) {
+        self->send(to_source, req);
+        asked = now;
+        if (++asks % 25 == 0)
+          spdlog::warn("supervisor: rank {} asked catch-up source rank {} {} times for session {} "
+                       "without an answer",
+                       o.rank, a.source, asks, a.session);
+      }
+      if (!to_source && now - start > 2'000'000'000 && !said_unreachable) {
+        said_unreachable = true;
+        spdlog::warn("supervisor: rank {}'s transport has not connected catch-up source rank {} "
+                     "after 2 s (session {})",
+                     o.rank, a.source, a.session);
+      }
+      if (!source && now - start > 60'000'000'000)
+        return make_error(errc::timeout, fmt::format("catch-up source rank {} did not answer "
+                                                     "for 60 s",
+                                                     a.source));
+      if (source && now - heard > 600'000'000'000)
+        return make_error(errc::timeout, "nothing from the catch-up source for 600 s");
+      auto from_source = [&](uint64_t session) {
+        if (session != a.session) // an older session's
+          return false;
+        heard = mono_ns();
+        source = caf::actor_cast<caf::actor>(self->current_sender());
+        return true;
+      };
+      self->receive(
+        [&](wire::catchup_piece& p) {
+          if (from_source(p.session))
+            on_piece(p);
+        },
+        [&](wire::catchup_update& u) {
+          if (from_source(u.session))
+            on_update(u);
+        },
+        [&](caf::down_msg& d) {
+          fail(make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost ({})",
+                                                       a.source, describe(d.reason))));
+        },
+        caf::after(std::chrono::milliseconds(50)) >> [] {});
+      if (!failed)
+        failed = cut();
+    }
+    return failed;
+  }
+};
+
+} // namespace
+
 /// This rank's catch-up as joiner: the snapshot, then the stream, from the
-/// assigned source.
+/// assigned source, over the actor mesh.
 caf::error supervisor::impl::receive(const enter_reply& r, train_state& st,
                                      const apply_update& apply) {
   const auto& a = r.assign;
   set_status(wire::worker_status::catching_up, {}, {}, a.session);
-  auto spare = ask<std::shared_ptr<coll::host_context>>(std::chrono::seconds(30),
-                                                         take_ctx_atom::value);
-  auto made = spare_or_fresh(spare ? std::move(*spare) : nullptr, o.rank);
-  if (!made)
-    return made.error();
-  std::shared_ptr<coll::host_context> jctx = std::move(*made);
-  // Losses of the source heard of since the assignment came end the session.
-  const uint64_t losses_before = r.source_losses;
-  coll::peer_status source_status = [p = pub, losses_before](uint32_t src) -> caf::error {
-    auto v = p->get();
-    if (v->stopping)
-      return make_error(errc::closed, "the supervisor is stopping");
-    if (v->losses(src) > losses_before)
-      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} was lost", src));
-    if (v->newest_epoch != 0 && !has_rank(v->newest_ranks, src))
-      return make_error(errc::peer_lost, fmt::format("catch-up source rank {} left the job", src));
-    return {};
-  };
-  auto c = coll::make_host_communicator(jctx, {catchup_epoch(a.session), {a.source, o.rank}},
-                                        *view()->client, source_status, catchup_host_options(o));
-  if (!c)
-    return c.error();
-  std::shared_ptr<coll::communicator> comm = std::move(*c);
-  note_comm({.what = comm_reg::kind::join, .c = comm, .source = a.source,
-             .losses_before = losses_before});
-  auto e = receive_stream(*comm, st, apply);
-  note_comm({.what = comm_reg::kind::join, .c = nullptr}); // forgotten
-  comm.reset();
-  if (!e)
-    give_back_ctx(actor, std::move(jctx));
-  return e;
-}
-
-caf::error supervisor::impl::receive_stream(coll::communicator& comm, train_state& st,
-                                            const apply_update& apply) {
-  int64_t hdr[2] = {0, 0};
-  if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0))
-    return e;
-  if (hdr[0] < 0 || static_cast<size_t>(hdr[1]) != st.params.size())
-    return make_error(errc::invalid_argument,
-                      fmt::format("catch-up snapshot of {} parameters at step {}; this model has {}",
-                                  hdr[1], hdr[0], st.params.size()));
-  // Ready for the state, then holding all of it: the words the source
-  // times the transfer by (see stream_session). This side's clock runs
-  // from the first word sent to the last.
-  int64_t says = 1;
-  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1))
-    return e;
-  const auto t0 = mono_ns();
-  for (std::span<float> x : {st.params, st.adam_m, st.adam_v, st.scalars})
-    if (auto e = comm.broadcast(x.data(), x.size(), coll::dtype::float32, 0, transfer_op))
-      return e;
-  if (auto e = comm.broadcast(&says, 1, coll::dtype::int64, 1, transfer_op))
-    return e;
-  st.step = static_cast<uint64_t>(hdr[0]);
-  const double secs = static_cast<double>(mono_ns() - t0) / 1e9;
-  const double mb = 3.0 * static_cast<double>(st.params.size() * sizeof(float)) / 1e6;
-  const auto& members = comm.members().ranks;
-  spdlog::info("supervisor: rank {} received the snapshot of step {} from rank {} (session "
-               "epoch {}): {:.1f} MB in {:.4f} s, {:.2f} GB/s",
-               o.rank, st.step, members[0], comm.members().epoch, mb, secs,
-               mb / 1e3 / std::max(secs, 1e-9));
-  set_status(wire::worker_status::ready, st.step);
-  std::vector<float> update(st.params.size());
-  for (;;) {
-    // The stream ends when the source enters the epoch that admits us.
-    if (auto e = comm.broadcast(hdr, 2, coll::dtype::int64, 0, {std::chrono::minutes(10)}))
-      return e;
-    if (hdr[0] < 0)
-      return {};
-    if (static_cast<uint64_t>(hdr[0]) != st.step || static_cast<size_t>(hdr[1]) != update.size())
-      return make_error(errc::invalid_argument,
-                        fmt::format("catch-up stream sent step {} while this rank is at step {}",
-                                    hdr[0], st.step));
-    if (auto e = comm.broadcast(update.data(), update.size(), coll::dtype::float32, 0,
-                                transfer_op)) // right behind its header
-      return e;
-    apply(st.step, update);
-    ++st.step;
-    set_status(wire::worker_status::ready, st.step);
-  }
+  if (o.actor_mesh == nullptr)
+    return make_error(errc::invalid_argument, "this worker has no actor mesh to catch up over");
+  joiner_session j{caf::scoped_actor{sys}, o, a, r.source_losses, pub, st, apply,
+                   [this](uint8_t state, uint64_t step) { set_status(state, step); }};
+  return j.run(*o.actor_mesh);
 }
 
 expected<coll::communicator*> supervisor::sub_communicator(size_t slot, coll::membership part) {
@@ -1525,14 +1661,7 @@ expected<coll::communicator*> supervisor::sub_communicator(size_t slot, coll::me
   if (!I.comm)
     return make_error(errc::invalid_argument, "no epoch to split");
   auto* world = I.comm.get();
-  if (!I.part_ctx[slot]) {
-    auto c = coll::host_context::create(I.o.rank);
-    if (!c)
-      return c.error();
-    I.part_ctx[slot] = std::move(*c);
-  }
-  auto c = coll::make_host_subcommunicator(*world, I.part_ctx[slot], std::move(part),
-                                           I.member_status(world->members().epoch), I.o.host);
+  auto c = I.host_part(I.part_ctx[slot], *world, std::move(part));
   if (!c)
     return c.error();
   std::shared_ptr<coll::communicator> made = std::move(*c);
@@ -1616,18 +1745,11 @@ expected<coll::communicator*> supervisor::device_communicator(size_t slot, coll:
   // A loss that ends this epoch while its communicator is built poisons
   // `world` (the exchange below fails) or is caught after it (below).
   I.dev_abort->store(false);
-  if (I.o.device_collectives == kind::host && !I.dev_ctx[slot]) {
-    auto c = coll::host_context::create(I.o.rank);
-    if (!c)
-      return c.error();
-    I.dev_ctx[slot] = std::move(*c);
-  }
   const int64_t t0 = mono_ns();
   expected<std::unique_ptr<coll::communicator>> made =
     make_error(errc::invalid_argument, "no device collectives in this build");
   if (I.o.device_collectives == kind::host) {
-    made = coll::make_host_subcommunicator(*world, I.dev_ctx[slot], std::move(part),
-                                           I.member_status(epoch), I.o.host);
+    made = I.host_part(I.dev_ctx[slot], *world, std::move(part));
   } else {
 #ifdef CMESH_HAVE_NCCL
     made = make_nccl_part(*world, std::move(part), I.o, epoch, slot, I.dev_abort.get(),

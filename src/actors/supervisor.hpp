@@ -21,7 +21,7 @@
 //     fenced, errc::fenced, and must restart as a new incarnation), a
 //     catch-up to receive, a snapshot owed to a joiner, or an error;
 //   - as a catch-up source: spawns a helper actor per joiner that prepares
-//     snapshot buffers and a communicator, is handed a copy of the state at
+//     snapshot buffers, waits for the joiner's request, is handed a copy of the state at
 //     the next step boundary (a memcpy on the trainer's thread), sends it,
 //     and streams every committed update the supervisor forwards, until the
 //     supervisor ends the stream (the epoch that includes the joiner).
@@ -35,11 +35,13 @@
 //     (exit_actor_failed), so that the survivors go on and the launcher
 //     restarts the rank.
 //
-// Catch-up sessions run a two-member host communicator on a host context of
-// their own (one UCP worker per session, so the trainer's worker is never
-// touched from another thread; eager protocol, since rendezvous moved these
-// buffers sent once ten times slower) with epoch id catchup_epoch(session), a
-// namespace that training epochs (below 2^15) never reach.
+// Catch-up sessions are actor conversations over the worker's actor mesh
+// (transport/mesh.hpp): the joiner's request goes to the source's
+// supervisor, which hands it to the session's helper; the snapshot's
+// pieces and the committed updates go from the helper to the joiner as
+// messages with bulk payloads (UCX transfers beside a msgpack header), and
+// the joiner acknowledges each, which bounds what is in flight. A fenced
+// peer ends the session at once (both sides monitor the other's proxy).
 #pragma once
 
 #include "actors/trainer.hpp"
@@ -54,6 +56,10 @@
 #include <memory>
 #include <optional>
 #include <string>
+
+namespace cmesh {
+class mesh;
+} // namespace cmesh
 
 namespace cmesh::actors {
 
@@ -70,8 +76,12 @@ struct supervisor_options {
   /// of this rank; the supervisor reports it and ends the process (exit_hung) so
   /// that the survivors go on and the launcher restarts it. 0: off.
   std::chrono::milliseconds step_timeout{0};
-  /// Chunk of the catch-up transfers (a two-member broadcast).
-  size_t catchup_chunk_bytes = size_t{8} << 20;
+  /// Bytes of one piece of a catch-up snapshot (one actor message), and
+  /// the pieces the joiner has not acknowledged yet that a source may send
+  /// (what the joiner holds in flight: 16 MiB). 1-8 MiB pieces and windows
+  /// of 2-8 moved 26.8 MB at the same rate (docs/design.md, Catch-up).
+  size_t catchup_chunk_bytes = size_t{4} << 20;
+  size_t catchup_window = 4;
   /// Nice value added to the threads that serve and receive a catch-up
   /// (0: none): on a host shared with training ranks, the catch-up takes
   /// the cores they leave idle rather than slowing their steps.
@@ -93,11 +103,12 @@ struct supervisor_options {
   /// makes it follow the membership: it dials the members of each newer
   /// epoch and its catch-up partner at the incarnations the coordinator
   /// named, with the addresses of the latest peer table, and nobody else.
-  transport* mesh = nullptr;
+  transport* net = nullptr;
+  /// The worker's actor mesh over `net`: the supervisor is published on it
+  /// as "supervisor", and catch-up sessions run over it. None: this rank
+  /// can neither serve nor receive a catch-up.
+  cmesh::mesh* actor_mesh = nullptr;
 };
-
-/// Catch-up session ids map to epoch ids 2^15 + (session mod 2^15).
-uint64_t catchup_epoch(uint64_t session);
 
 /// Exit code of a worker that its step watchdog found hung.
 constexpr int exit_hung = 5;

@@ -126,7 +126,8 @@ void print_shadow(uint32_t rank, actors::shadow_feed& feed, const actors::train_
 }
 
 /// The supervisor's options for this worker.
-actors::supervisor_options supervisor_options_of(joined_mesh& j, const model::run_config& config,
+actors::supervisor_options supervisor_options_of(joined_mesh& j, mesh& actor_mesh,
+                                                 const model::run_config& config,
                                                  std::chrono::milliseconds step_timeout,
                                                  int catchup_nice) {
   const auto rank = static_cast<uint32_t>(j.place.rank);
@@ -137,7 +138,8 @@ actors::supervisor_options supervisor_options_of(joined_mesh& j, const model::ru
   ao.registration = j.registration;
   ao.step_timeout = step_timeout;
   ao.catchup_nice = catchup_nice;
-  ao.mesh = j.net.get();
+  ao.net = j.net.get();
+  ao.actor_mesh = &actor_mesh;
   // The gradient's sum over the groups on the device (trainer.hpp): NCCL
   // on the model's GPU, or the host backend over the emulated device.
   if (config.train.device == "emulated")
@@ -304,6 +306,26 @@ expected<actors::train_result> build_and_train(caf::actor_system& sys, joined_me
   return t.run();
 }
 
+/// The trainer's options: the layout, the progress lines (and each step's
+/// time summed into `step_ms_total`), and the checkpoint to resume from.
+actors::trainer_options trainer_options_of(const model::run_config& config, size_t replicas,
+                                           size_t size, const shadow_flags& shadow,
+                                           std::shared_ptr<double> step_ms_total) {
+  actors::trainer_options opts;
+  opts.config = config;
+  opts.replicas = replicas;
+  opts.ranks_per_group = size / replicas;
+  size_t every = config.train.log_every, total = config.train.steps;
+  opts.on_step = [every, total, step_ms_total](const actors::step_report& r) {
+    *step_ms_total += r.step_ms;
+    if (r.first_member)
+      print_progress(r, every, total);
+  };
+  if (shadow.resume)
+    opts.load = loader_of(*shadow.resume);
+  return opts;
+}
+
 } // namespace
 
 expected<int> run_training(joined_mesh& j, const model::run_config& config, size_t replicas,
@@ -327,9 +349,14 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
   caf::actor_system_config sys_cfg;
   tune_actor_system(sys_cfg, 1);
   caf::actor_system sys{sys_cfg};
+  // The actor mesh over the worker's transport: the supervisor is published
+  // on it (catch-up sessions run over it), the transport's detector reports
+  // to the supervisor, and its peers follow the membership (the supervisor
+  // dials them).
+  mesh actor_mesh(sys, *j.net);
   // The supervisor owns the coordinator connection from here on (it
   // reconnects to a coordinator that restarts).
-  actors::supervisor sup(sys, supervisor_options_of(j, config, step_timeout, catchup_nice),
+  actors::supervisor sup(sys, supervisor_options_of(j, actor_mesh, config, step_timeout, catchup_nice),
                          std::move(j.coordinator), *ctx);
   sup.start();
   auto report_failure_late = [&](const caf::error& e) {
@@ -337,25 +364,10 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                           mono_ns()});
     return e;
   };
-  actors::trainer_options opts;
-  opts.config = config;
-  opts.replicas = replicas;
-  opts.ranks_per_group = size / replicas;
   if (rank == 0)
     announce_training(config, replicas, size, (*data)->origin(), shadow);
-  size_t every = config.train.log_every, total = config.train.steps;
   auto step_ms_total = std::make_shared<double>(0.0); // read once the trainer is done
-  opts.on_step = [every, total, step_ms_total](const actors::step_report& r) {
-    *step_ms_total += r.step_ms;
-    if (r.first_member)
-      print_progress(r, every, total);
-  };
-  if (shadow.resume)
-    opts.load = loader_of(*shadow.resume);
-  // The actor mesh: the transport's detector runs and reports to the
-  // supervisor, and its peers follow the membership (the supervisor dials
-  // them). No actor publishes on it yet.
-  mesh actor_mesh(sys, *j.net);
+  auto opts = trainer_options_of(config, replicas, size, shadow, step_ms_total);
   actor_mesh.watch_peers(sup.actor());
   if (auto e = j.net->start())
     return report_failure_late(e);

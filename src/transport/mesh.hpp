@@ -43,6 +43,10 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::blob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ack)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ckpt_seed)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::ckpt_update)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::catchup_request)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::catchup_piece)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::catchup_update)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(cmesh::wire::catchup_ack)
 
 namespace cmesh {
 /// (peer_down_atom, uint32_t rank, uint64_t incarnation, std::string reason):

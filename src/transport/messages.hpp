@@ -328,6 +328,69 @@ struct ckpt_update {
   }
 };
 
+/// Catch-up (actors/supervisor.hpp): a joiner asks its assigned source for
+/// the session, giving the sizes of its params, moments and scalars (the
+/// source refuses a state of another shape). Sent to the source's
+/// "supervisor" until the first answer comes (a source that has not
+/// connected the joiner's incarnation yet drops it).
+struct catchup_request {
+  static constexpr kind_t kind = 38;
+  static constexpr const char* name = "catchup_request";
+  uint64_t session = 0;
+  uint64_t incarnation = 0; // the joiner's
+  std::vector<uint64_t> sizes;
+  MSGPACK_DEFINE(session, incarnation, sizes)
+  bool operator==(const catchup_request&) const = default;
+};
+
+/// Catch-up: a piece of the source's state at step `step`: the floats
+/// [offset, offset + payload / 4) of its snapshot's range (params, then
+/// AdamW's two moments, then the scalars, each starting on a multiple of
+/// 16 floats).
+struct catchup_piece {
+  static constexpr kind_t kind = 39;
+  static constexpr const char* name = "catchup_piece";
+  static constexpr bool has_bulk = true;
+  uint64_t session = 0;
+  uint64_t step = 0;
+  uint64_t offset = 0;
+  cmesh::bulk payload;
+  MSGPACK_DEFINE(session, step, offset)
+  bool operator==(const catchup_piece& o) const {
+    return session == o.session && step == o.step && offset == o.offset
+           && payload.size() == o.payload.size();
+  }
+};
+
+/// Catch-up: the committed update of step `step` (payload: its floats), or
+/// the stream's end (`end`; `refused` non-empty: the session failed, why).
+struct catchup_update {
+  static constexpr kind_t kind = 40;
+  static constexpr const char* name = "catchup_update";
+  static constexpr bool has_bulk = true;
+  uint64_t session = 0;
+  uint64_t step = 0;
+  bool end = false;
+  std::string refused;
+  cmesh::bulk payload;
+  MSGPACK_DEFINE(session, step, end, refused)
+  bool operator==(const catchup_update& o) const {
+    return session == o.session && step == o.step && end == o.end && refused == o.refused
+           && payload.size() == o.payload.size();
+  }
+};
+
+/// Catch-up: the joiner holds `pieces` pieces and applied `updates` updates.
+struct catchup_ack {
+  static constexpr kind_t kind = 41;
+  static constexpr const char* name = "catchup_ack";
+  uint64_t session = 0;
+  uint64_t pieces = 0;
+  uint64_t updates = 0;
+  MSGPACK_DEFINE(session, pieces, updates)
+  bool operator==(const catchup_ack&) const = default;
+};
+
 // -- the registry --------------------------------------------------------------
 
 template <class... Ts>
@@ -338,11 +401,13 @@ using bootstrap_messages = type_list<register_worker, peer_table, report, shutdo
                                      epoch_notice, catchup_assign, replica_divergence>;
 using transport_messages = type_list<heartbeat>;
 /// Kinds that may be sent between actors (what a remote proxy forwards).
-using actor_messages = type_list<token, sequenced, blob, ack, ckpt_seed, ckpt_update>;
+using actor_messages = type_list<token, sequenced, blob, ack, ckpt_seed, ckpt_update,
+                                 catchup_request, catchup_piece, catchup_update, catchup_ack>;
 using all_messages = type_list<register_worker, peer_table, report, shutdown, rejected, kv_put,
                                kv_get, kv_value, kv_drop, worker_status, epoch_notice,
                                catchup_assign, replica_divergence, heartbeat, token, sequenced,
-                               blob, ack, ckpt_seed, ckpt_update>;
+                               blob, ack, ckpt_seed, ckpt_update, catchup_request,
+                               catchup_piece, catchup_update, catchup_ack>;
 
 template <class T>
 constexpr bool has_bulk_v = requires { T::has_bulk; };

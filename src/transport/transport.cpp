@@ -279,6 +279,8 @@ void send_owned(ucp_ep_h ep, uint64_t tag, send_ctx* ctx, const void* buf, size_
 struct endpoint_ref {
   peer_state* peer = nullptr;
   uint64_t incarnation = 0;
+  const char* lane = "data";
+  bool ctrl_lane = false;
 };
 
 struct peer_state {
@@ -308,6 +310,8 @@ struct peer_state {
   // control lane only
   ucp_ep_h ctrl = nullptr;
   uint64_t ctrl_incarnation = 0; // the incarnation `ctrl` was made for
+  wire::bytes ctrl_address;      // and its address
+  int ctrl_remakes = 0;          // of `ctrl` for that incarnation (retry_ctrl)
   std::atomic<int64_t> heartbeats_inflight{0};
   /// A control endpoint to make (address, incarnation), handed over by the
   /// data lane when it connected a new incarnation.
@@ -420,6 +424,11 @@ struct transport::impl {
   /// `p`'s control endpoint for `incarnation` at `addr`, replacing an
   /// older one: on the control lane's thread, or before start.
   caf::error make_ctrl_endpoint(peer_state& p, const wire::bytes& addr, uint64_t incarnation);
+
+  /// On the control lane's thread, in UCX's error callback of `ref`'s
+  /// endpoint: remakes it instead of fencing when its incarnation was
+  /// never heard from (see on_endpoint_error). False: fence.
+  bool retry_ctrl(peer_state& p, const endpoint_ref& ref, ucs_status_t status);
 
   void defer_failure(uint32_t rank, caf::error reason, uint64_t incarnation = 0) {
     {
@@ -743,11 +752,20 @@ namespace {
 void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* ref = static_cast<endpoint_ref*>(arg);
   auto* p = ref->peer;
+  // A control endpoint (made on the control lane's thread, where this
+  // runs) that fails before anything was heard from its incarnation is
+  // made again within the connect bound: when two processes dial each
+  // other at once (a catch-up's source and joiner, the members of a new
+  // epoch), UCX's TCP transport may fail one side's first endpoint
+  // (Endpoint timeout) though both live. A peer that is really gone is
+  // fenced by the remade endpoint's error or by the connect bound.
+  if (ref->ctrl_lane && p->owner->retry_ctrl(*p, *ref, status))
+    return;
   // Closing endpoints inside UCX's callback is not allowed: defer to the loop.
   p->owner->defer_failure(p->rank,
                           make_error(errc::peer_lost,
                                      "rank " + std::to_string(p->rank) + ": "
-                                       + ucs_status_string(status)),
+                                       + ucs_status_string(status) + " (" + ref->lane + " lane)"),
                           ref->incarnation);
 }
 
@@ -824,14 +842,36 @@ void transport::impl::make_ctrl_endpoints() {
 caf::error transport::impl::make_ctrl_endpoint(peer_state& p, const wire::bytes& addr,
                                                uint64_t incarnation) {
   ctrl.close_endpoint(p.ctrl);
-  p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, incarnation}));
+  p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, incarnation, "control", true}));
   if (auto err = create_endpoint(ctrl, &p.ctrl, *p.ctrl_refs.back(), addr,
                                  UCP_ERR_HANDLING_MODE_PEER)) {
     p.ctrl = nullptr;
     return err;
   }
+  if (incarnation != p.ctrl_incarnation)
+    p.ctrl_remakes = 0;
   p.ctrl_incarnation = incarnation;
+  p.ctrl_address = addr;
   return {};
+}
+
+bool transport::impl::retry_ctrl(peer_state& p, const endpoint_ref& ref, ucs_status_t status) {
+  constexpr int remakes_max = 5;
+  if (ref.incarnation != p.incarnation.load() || ref.incarnation != p.ctrl_incarnation
+      || p.last_heard_ns.load() != 0 || p.ctrl_remakes >= remakes_max
+      || mono_ns() - p.connected_ns.load() > ms_to_ns(opts.connect_timeout_ms))
+    return false;
+  ++p.ctrl_remakes;
+  spdlog::info("rank {}: the control endpoint to rank {} failed before its first heartbeat ({}); "
+               "making it again ({} of {})",
+               self, p.rank, ucs_status_string(status), p.ctrl_remakes, remakes_max);
+  {
+    std::lock_guard<std::mutex> g(p.ctrl_mtx);
+    if (!p.ctrl_pending)
+      p.ctrl_pending = std::make_pair(p.ctrl_address, ref.incarnation);
+  }
+  ++ctrl_connects_pending; // the control lane's loop remakes it, outside UCX's callback
+  return true;
 }
 
 /// Connections asked for after start (connect_peer), on the data lane.

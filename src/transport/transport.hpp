@@ -19,7 +19,10 @@
 //
 // Failure. A peer is lost when one of its endpoints fails (errc::peer_lost)
 // or when nothing was heard from it for heartbeat_timeout_ms
-// (errc::peer_unresponsive). Either way that incarnation of it is fenced for
+// (errc::peer_unresponsive). A control endpoint that fails before its
+// incarnation was ever heard from is first made again (at most 5 times,
+// within connect_timeout_ms): two processes that dial each other at once
+// can see one side's first endpoint fail though both live. Either way that incarnation of it is fenced for
 // good: its endpoints are closed, receives from it are cancelled, later
 // frames from it are dropped and sends to it fail at once. The peer-down
 // handler runs once per incarnation.

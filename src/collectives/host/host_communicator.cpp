@@ -208,11 +208,6 @@ caf::error host_context::prepare(const membership& next) {
   return {};
 }
 
-void host_context::quiesced() {
-  std::lock_guard<std::mutex> g(impl_->renewal_mu);
-  impl_->last_ranks.clear();
-}
-
 uint64_t host_context::renewals() const {
   std::lock_guard<std::mutex> g(impl_->renewal_mu);
   return impl_->renewals;

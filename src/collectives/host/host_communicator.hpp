@@ -101,10 +101,6 @@ public:
   /// worker. The coordinator and subcommunicator paths call it; a caller
   /// exchanging addresses itself calls it before address().
   caf::error prepare(const membership& next);
-  /// Every member of the last communicator is known to be done with it
-  /// (an exchange that ended cleanly on both sides): a later membership
-  /// without them needs no fresh worker. A failure since still does.
-  void quiesced();
   /// How many times prepare() moved to a fresh worker.
   uint64_t renewals() const;
 
@@ -116,8 +112,8 @@ private:
   std::unique_ptr<impl> impl_;
 };
 
-/// A context for one-shot bulk transfers between fresh workers (a
-/// catch-up's snapshot and stream): eager, no spare worker, and a receive
+/// A context for one-shot bulk transfers between fresh workers
+/// (bench/recovery's reference for a catch-up's rate): eager, no spare worker, and a receive
 /// FIFO of 8 fragments instead of 64. A sender first touches every receive
 /// buffer the FIFO cycles through, in the receiver's segments it maps
 /// then: with 64 of 32 KiB that first touch cost a cold 26.8 MB broadcast
