@@ -53,15 +53,15 @@ bool has_rank(const std::vector<uint32_t>& ranks, uint32_t rank) {
 /// huge pages a small model's whole state is then a single page fault
 /// where four arrays were hundreds (2 MB: 5.5 ms of faults on these VMs).
 struct snapshot_buffers {
+  snapshot_layout layout;
   std::array<std::span<float>, 4> parts;
   page_array memory;
 
   static snapshot_buffers sized(const std::array<size_t, 4>& n, page_array::pages kind) {
     const snapshot_layout l(n);
-    snapshot_buffers b;
-    b.memory = page_array(l.total, kind);
+    snapshot_buffers b{l, {}, page_array(l.total, kind)};
     for (size_t i = 0; i < n.size(); ++i)
-      b.parts[i] = {b.memory.data() + l.at[i], n[i]};
+      b.parts[i] = {b.memory.data() + b.layout.at[i], n[i]};
     return b;
   }
 };
@@ -1020,8 +1020,8 @@ size_t piece_floats(const supervisor_options& o) {
 /// points into the snapshot's buffers (no copy).
 caf::error send_snapshot(source_session& s, const supervisor_options& o) {
   auto& snap = *s.snap;
-  const size_t total = snap.buf->memory.size(), per = piece_floats(o);
-  const size_t n_pieces = (total + per - 1) / per; // the layout's pieces(per)
+  const size_t total = snap.buf->layout.total, per = piece_floats(o);
+  const size_t n_pieces = snap.buf->layout.pieces(per);
   const size_t window = std::max<size_t>(o.catchup_window, 1);
   const auto cpu0 = thread_cpu_ns();
   const auto t0 = mono_ns();

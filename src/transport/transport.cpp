@@ -279,8 +279,7 @@ void send_owned(ucp_ep_h ep, uint64_t tag, send_ctx* ctx, const void* buf, size_
 struct endpoint_ref {
   peer_state* peer = nullptr;
   uint64_t incarnation = 0;
-  const char* lane = "data";
-  bool ctrl_lane = false;
+  bool ctrl_lane = false; // the control lane's endpoint, else the data lane's
 };
 
 struct peer_state {
@@ -765,7 +764,8 @@ void on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {
   p->owner->defer_failure(p->rank,
                           make_error(errc::peer_lost,
                                      "rank " + std::to_string(p->rank) + ": "
-                                       + ucs_status_string(status) + " (" + ref->lane + " lane)"),
+                                       + ucs_status_string(status)
+                                       + (ref->ctrl_lane ? " (control lane)" : " (data lane)")),
                           ref->incarnation);
 }
 
@@ -842,7 +842,7 @@ void transport::impl::make_ctrl_endpoints() {
 caf::error transport::impl::make_ctrl_endpoint(peer_state& p, const wire::bytes& addr,
                                                uint64_t incarnation) {
   ctrl.close_endpoint(p.ctrl);
-  p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, incarnation, "control", true}));
+  p.ctrl_refs.push_back(std::make_unique<endpoint_ref>(endpoint_ref{&p, incarnation, true}));
   if (auto err = create_endpoint(ctrl, &p.ctrl, *p.ctrl_refs.back(), addr,
                                  UCP_ERR_HANDLING_MODE_PEER)) {
     p.ctrl = nullptr;
