@@ -860,6 +860,13 @@ struct launch_chaos {
     return true;
   }
 
+  /// The next action is a due kill of a catch-up source, and no catch-up
+  /// runs to act on yet.
+  bool awaits_catchup(uint64_t step) const {
+    return ls.next_action < ls.plan.size() && ls.plan[ls.next_action].at_step <= step
+           && ls.plan[ls.next_action].kind == chaos::action_kind::kill_source;
+  }
+
   void run_due(const actors::epoch_manager::view& v, launch_clock::time_point now) {
     while (ls.next_action < ls.plan.size()
            && ls.plan[ls.next_action].at_step <= v.max_member_step) {
@@ -922,6 +929,13 @@ job_outcome await_launched_training(coordinator& coord, const job_options& job,
     if (auto e = forward_stop(job, ls, w, v.max_member_step); !e.empty())
       return e;
     chaos.run_due(v, now);
+    // A catch-up of a small model lasts a step or two (tens of ms): while
+    // a kill of its source waits for one, look every millisecond until the
+    // next tick rather than once per tick.
+    for (int i = 0; i < 19 && chaos.awaits_catchup(v.max_member_step); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      chaos.run_due(w.manager->snapshot(), launch_clock::now());
+    }
     w.continue_due(now, v.max_member_step);
     if (ls.signals_seen == 0)
       if (auto e = checkpointer.keep(w.exe, job, w.address, *w.manager, w.since_start());
