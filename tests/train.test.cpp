@@ -230,6 +230,33 @@ TEST_CASE("overlap: gradients summed unit by unit during the backward pass give 
   std::remove(path.c_str());
 }
 
+TEST_CASE("exact mode with experts split over the group: the bits of 1x1") {
+  // 8 experts: static blocks over 4 ranks, and placed by the solver with
+  // replicas of hot ones over 2. Each source's rows of an expert are one
+  // product on one host, and its weight gradient reaches the fixed-point
+  // sum as a piece from there.
+  auto path = "/tmp/cmesh_exact_ep_" + std::to_string(getpid()) + ".toml";
+  auto run = [&](const std::string& train_keys, const std::string& args) {
+    {
+      std::ofstream(path) << "[model]\nexperts = 8\n[train]\n" << train_keys;
+    }
+    auto r = train(args + " --config " + path + " --exact --steps 10 --log-every 5");
+    if (args != layout(1, 1))
+      CHECK(r.output.find("experts split over the") != std::string::npos);
+    for (auto& w : rank_weights(r.output))
+      CHECK(w == field(r.output, "weights"));
+    return field(r.output, "weights");
+  };
+  const auto one = run("", layout(1, 1));
+  const auto blocks = run("expert_placement = \"static\"\n", layout(1, 4));
+  const auto replicated = run("expert_replicas = 2\n", layout(2, 2));
+  std::remove(path.c_str());
+  MESSAGE("1x1 " << one << ", 1x4 static " << blocks << ", 2x2 replicated " << replicated);
+  REQUIRE(one.size() == 16);
+  CHECK(blocks == one);
+  CHECK(replicated == one);
+}
+
 TEST_CASE("expert placement: balanced and replicated experts train like static blocks") {
   // 8 experts over the 2 ranks of each group. The rows each rank computes
   // are printed as "hosts" (max rank load / mean, over the step).

@@ -8,6 +8,7 @@
 #include "actors/collective_lane.hpp"
 #include "actors/trainer.hpp"
 #include "collectives/communicator.hpp"
+#include "collectives/exact.hpp"
 #include "core/check.hpp"
 #include "core/env.hpp"
 #include "kernels/precision.hpp"
@@ -47,6 +48,26 @@ public:
   void reset(coll::communicator* group) {
     group_ = group;
     error_ = {};
+    used_ = 0;
+  }
+  /// Exact mode: experts computed per source (model::expert_exchange::
+  /// per_source), other ranks' gradient pieces kept here until reset().
+  void set_per_source(bool on) { per_source_ = on; }
+  bool per_source() const override { return per_source_; }
+  void piece(size_t source, size_t offset, const float* values, size_t count) override {
+    (void)source; // the micro-batch it belongs to does not matter to the sum
+    if (used_ == store_.size())
+      store_.emplace_back();
+    auto& p = store_[used_++];
+    p.offset = offset;
+    p.values.assign(values, values + count);
+  }
+  /// The pieces received since reset(), valid until the next piece() or reset().
+  std::vector<coll::exact_piece> pieces() const {
+    std::vector<coll::exact_piece> out;
+    for (size_t i = 0; i < used_; ++i)
+      out.push_back({store_[i].offset, store_[i].values});
+    return out;
   }
   /// The exchanges run on `lane` (nullptr: on the caller's thread), in
   /// order with the weight stream's collectives on the same communicator.
@@ -116,6 +137,13 @@ private:
   bool balanced_ = true;
   size_t replicas_ = 0;
   std::vector<double> load_;
+  bool per_source_ = false;
+  struct stored_piece {
+    size_t offset = 0;
+    std::vector<float> values;
+  };
+  std::vector<stored_piece> store_; // reused step after step; used_ of them hold pieces
+  size_t used_ = 0;
 };
 
 /// Each rank's piece of the flat range [a, b) under `shards` into `counts`;

@@ -141,7 +141,7 @@ struct trainer::impl {
   std::array<float, 2> scalars{};      // loss scale, good steps since its last change
   std::vector<uint16_t> wire16;        // bf16: weights and gradients on the wire
   std::vector<uint16_t> shard16;
-  group_exchange experts;              // expert parallelism (S > 1, not exact)
+  group_exchange experts;              // expert parallelism (S > 1)
   bool expert_parallel = false;
   bool full = false;                   // full sharding: weights and gradients streamed
   weight_stream stream;
@@ -622,6 +622,7 @@ struct trainer::loop {
   void account(step_ctx& s, const model::step_stats& m);
   void compute(step_ctx& s, float loss_scale);
   void compute_exact(step_ctx& s);
+  size_t group_runs(const step_ctx& s) const;
   void sum_whole(step_ctx& s);
   void sum_on_device(step_ctx& s);
   void sum_shard(step_ctx& s);
@@ -712,13 +713,14 @@ caf::error trainer::loop::enter(caf::error why) {
   }
 }
 
-/// Expert parallelism inside a group, except in exact mode: an expert's
-/// gradient summed over the rows of several micro-batches in one product
-/// is not the per-micro-batch contribution exact mode adds.
+/// Expert parallelism inside a group. In exact mode per source: an
+/// expert's gradient summed over the rows of several micro-batches in one
+/// product would not be the per-micro-batch contribution exact mode adds.
 void trainer::loop::split_experts() {
-  if (!I.group || tc.exact)
+  if (!I.group)
     return;
   I.experts.configure(tc.expert_placement == "balanced", tc.expert_replicas);
+  I.experts.set_per_source(tc.exact);
   I.experts.reset(I.group);
   I.experts.set_lane(I.lane.get());
   I.expert_parallel = net.set_expert_exchange(&I.experts);
@@ -846,9 +848,7 @@ void trainer::loop::compute(step_ctx& s, float loss_scale) {
   if (I.expert_parallel || I.full) {
     if (I.expert_parallel)
       I.experts.reset(I.group);
-    for (size_t q = 0; q < S; ++q)
-      runs = std::max(runs, model::micro_batches_of(micro_total, s.world / S,
-                                                    s.comm->index() / S, S, q).size());
+    runs = group_runs(s);
   }
   // Summed unit by unit: every rank reports every unit, so a rank without a
   // micro-batch runs an empty one.
@@ -877,26 +877,53 @@ void trainer::loop::compute(step_ctx& s, float loss_scale) {
     I.sup->computing(false);
 }
 
+/// The micro-batches the busiest rank of this rank's group runs this step.
+size_t trainer::loop::group_runs(const step_ctx& s) const {
+  size_t runs = s.mine.size();
+  for (size_t q = 0; q < S; ++q)
+    runs = std::max(runs, model::micro_batches_of(micro_total, s.world / S,
+                                                  s.comm->index() / S, S, q).size());
+  return runs;
+}
+
 /// Exact mode: each micro-batch's gradient is one contribution, turned into
-/// fixed point before any sum, so no float sum depends on the layout.
+/// fixed point before any sum, so no float sum depends on the layout. With
+/// the experts split over the group, a micro-batch's expert gradients are
+/// computed where the experts live (per source: the products the
+/// micro-batch would run alone) and reach the sum as pieces from there;
+/// every rank runs as many micro-batches as the busiest of its group, empty
+/// ones making up the difference.
 void trainer::loop::compute_exact(step_ctx& s) {
+  const size_t runs = I.expert_parallel ? group_runs(s) : s.mine.size();
+  if (I.expert_parallel)
+    I.experts.reset(I.group);
   I.contributions.resize(s.mine.size());
   std::vector<std::span<const float>> spans;
-  for (size_t k = 0; k < s.mine.size(); ++k) {
+  model::batch empty;
+  empty.seq_len = tc.seq_len;
+  for (size_t k = 0; k < runs; ++k) {
     net.zero_gradients();
+    if (k >= s.mine.size()) {
+      net.forward_backward(empty);
+      continue;
+    }
     account(s, net.forward_backward(model::make_micro_batch(*I.data, tc, s.step, s.mine[k])));
     I.contributions[k].assign(grads.begin(), grads.end());
     spans.emplace_back(I.contributions[k]);
   }
-  if (s.mine.empty())
+  if (s.mine.empty() || runs > s.mine.size())
     net.zero_gradients();
+  if (I.expert_parallel)
+    if (auto e = I.experts.take_error(); e && !s.latched)
+      s.latched = e;
   if (I.sup)
     I.sup->computing(false);
+  const auto pieces = I.expert_parallel ? I.experts.pieces() : std::vector<coll::exact_piece>{};
   I.collective(s.latched, [&] {
     if (!I.group)
       return coll::exact_all_reduce(*s.comm, spans, grads, micro_total);
     return coll::exact_reduce_scatter(*s.comm, *I.group, *I.cross, spans, grads.size(),
-                                      I.shards.counts, s.update, micro_total);
+                                      I.shards.counts, s.update, micro_total, {}, pieces);
   });
 }
 

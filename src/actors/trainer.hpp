@@ -59,7 +59,7 @@
 // gradient all_reduced), and only this rank's shard of the sum is
 // downloaded. Clipping, the vote and AdamW stay on the host. Exact mode and
 // train.gradient_collectives = "host" run as on the CPU.
-// Experts (S > 1, not exact mode): for each micro-batch and layer the
+// Experts (S > 1): for each micro-batch and layer the
 // group places the experts on its ranks from the rows every rank routed
 // (train.expert_placement: "balanced" runs the placement solver, with
 // train.expert_replicas extra copies of hot experts; "static" gives rank p
@@ -67,7 +67,10 @@
 // every rank of the group sends them (all_to_allv over the group). The
 // weights come from the group's gather either way, so a placement can
 // change from one micro-batch to the next at no cost; their state is
-// sharded like the rest.
+// sharded like the rest. In exact mode the hosts compute each source
+// rank's rows as products of their own, and the weight gradient of another
+// rank's rows reaches the fixed-point sum as a piece of that rank's
+// micro-batch (coll::exact_piece), so the bits do not depend on the layout.
 #pragma once
 
 #include "collectives/communicator.hpp"

@@ -162,16 +162,47 @@ caf::error exact_sum::set_global_max_abs(float m) {
 caf::error exact_sum::add(std::span<const float> contribution) {
   if (sticky_)
     return sticky_;
-  if (!scaled_)
-    return make_error(errc::invalid_argument, "exact mode: add() before set_global_max_abs()");
   if (contribution.size() != count_)
     return make_error(errc::invalid_argument,
                       size_mismatch("contribution", contribution.size(), count_));
   if (added_ >= contributions_max_)
     return make_error(errc::overflow, too_many(contributions_max_, uint64_t{added_} + 1));
+  if (auto err = accumulate(0, contribution))
+    return err;
+  acc_[count_] += 1;
+  ++added_;
+  return {};
+}
+
+void exact_sum::observe_piece(size_t offset, std::span<const float> values) {
+  if (offset > count_ || values.size() > count_ - offset) {
+    if (!sticky_)
+      sticky_ = make_error(errc::invalid_argument,
+                           "exact mode: a piece of " + std::to_string(values.size())
+                             + " values at " + std::to_string(offset)
+                             + " runs past the buffer of " + std::to_string(count_));
+    return;
+  }
+  local_max_bits_ = std::max(local_max_bits_, max_abs_bits(values));
+}
+
+caf::error exact_sum::add_piece(size_t offset, std::span<const float> values) {
+  if (sticky_)
+    return sticky_;
+  if (offset > count_ || values.size() > count_ - offset)
+    return make_error(errc::invalid_argument,
+                      "exact mode: a piece of " + std::to_string(values.size()) + " values at "
+                        + std::to_string(offset) + " runs past the buffer of "
+                        + std::to_string(count_));
+  return accumulate(offset, values);
+}
+
+caf::error exact_sum::accumulate(size_t offset, std::span<const float> values) {
+  if (!scaled_)
+    return make_error(errc::invalid_argument, "exact mode: add() before set_global_max_abs()");
   // Check every value against the agreed range before touching the
   // accumulator: that range is what makes the int64 sums safe.
-  uint32_t m = max_abs_bits(contribution);
+  uint32_t m = max_abs_bits(values);
   if (m >= kInfBits)
     return make_error(errc::overflow,
                       "exact mode: a contribution holds a non-finite value (inf or NaN)");
@@ -180,11 +211,11 @@ caf::error exact_sum::add(std::span<const float> contribution) {
                       "exact mode: a contribution value " + std::to_string(from_bits(m))
                         + " exceeds the agreed global max abs "
                         + std::to_string(global_max_abs_) + " (observe() it first)");
-  const float* x = contribution.data();
-  int64_t* acc = acc_.data();
+  const float* x = values.data();
+  int64_t* acc = acc_.data() + offset;
   const double scale = scale_;
   bool overflow = false;
-  for (size_t i = 0; i < count_; ++i) {
+  for (size_t i = 0; i < values.size(); ++i) {
     // Exact product (a float times a power of two), then the one rounding.
     long long v = round_even(static_cast<double>(x[i]) * scale);
     long long r;
@@ -195,8 +226,6 @@ caf::error exact_sum::add(std::span<const float> contribution) {
     sticky_ = make_error(errc::overflow, "exact mode: the int64 accumulator overflowed");
     return sticky_;
   }
-  acc_[count_] += 1;
-  ++added_;
   return {};
 }
 
@@ -236,7 +265,8 @@ namespace {
 /// local status), scales, converts and sums this rank's contributions.
 caf::error exact_prepare(communicator& comm,
                          const std::vector<std::span<const float>>& contributions,
-                         exact_sum& sum, const op_options& o) {
+                         std::span<const exact_piece> pieces, exact_sum& sum,
+                         const op_options& o) {
   enum status : int { fine = 0, non_finite = 1, too_many_here = 2, bad_sizes = 3 };
   const size_t count = sum.count();
   const size_t contributions_max = sum.contributions_max();
@@ -251,6 +281,15 @@ caf::error exact_prepare(communicator& comm,
                          size_mismatch(("contribution " + std::to_string(k)).c_str(),
                                        contributions[k].size(), count));
     }
+  for (size_t k = 0; k < pieces.size() && st == fine; ++k)
+    if (pieces[k].offset > count || pieces[k].values.size() > count - pieces[k].offset) {
+      st = bad_sizes;
+      local = make_error(errc::invalid_argument,
+                         "exact mode: piece " + std::to_string(k) + " ("
+                           + std::to_string(pieces[k].values.size()) + " values at "
+                           + std::to_string(pieces[k].offset) + ") runs past the buffer of "
+                           + std::to_string(count));
+    }
   if (st == fine && contributions.size() > contributions_max) {
     st = too_many_here;
     local = make_error(errc::overflow, too_many(contributions_max, contributions.size()));
@@ -258,6 +297,8 @@ caf::error exact_prepare(communicator& comm,
   if (st == fine) {
     for (auto c : contributions)
       sum.observe(c);
+    for (auto& p : pieces)
+      sum.observe_piece(p.offset, p.values);
     if (std::isinf(sum.local_max_abs())) {
       st = non_finite;
       local = make_error(errc::overflow,
@@ -291,7 +332,9 @@ caf::error exact_prepare(communicator& comm,
   for (auto c : contributions)
     if (auto err = sum.add(c))
       return err;
-
+  for (auto& p : pieces)
+    if (auto err = sum.add_piece(p.offset, p.values))
+      return err;
   return {};
 }
 
@@ -300,9 +343,9 @@ caf::error exact_prepare(communicator& comm,
 caf::error exact_all_reduce(communicator& comm,
                             const std::vector<std::span<const float>>& contributions,
                             std::span<float> out, size_t contributions_max,
-                            const op_options& o) {
+                            const op_options& o, std::span<const exact_piece> pieces) {
   exact_sum sum(out.size(), contributions_max);
-  if (auto err = exact_prepare(comm, contributions, sum, o))
+  if (auto err = exact_prepare(comm, contributions, pieces, sum, o))
     return err;
   // Phase 3: integer sum over the ranks (the count rides along), then back.
   if (auto err = comm.all_reduce(sum.accumulator(), reduce_op::sum, o))
@@ -314,7 +357,7 @@ caf::error exact_reduce_scatter(communicator& world, communicator& group, commun
                                 const std::vector<std::span<const float>>& contributions,
                                 size_t count, const std::vector<size_t>& shard_counts,
                                 std::span<float> out, size_t contributions_max,
-                                const op_options& o) {
+                                const op_options& o, std::span<const exact_piece> pieces) {
   const size_t me = group.index(), last = shard_counts.size() - 1;
   size_t total = 0;
   for (auto c : shard_counts)
@@ -323,7 +366,7 @@ caf::error exact_reduce_scatter(communicator& world, communicator& group, commun
     return make_error(errc::invalid_argument,
                       "exact mode: shard counts do not split the buffer over the group");
   exact_sum sum(count, contributions_max);
-  if (auto err = exact_prepare(world, contributions, sum, o))
+  if (auto err = exact_prepare(world, contributions, pieces, sum, o))
     return err;
   // Phase 3: the group's ranks reduce-scatter their integer sums, then each
   // block is summed over the groups. The count of contributions rides at

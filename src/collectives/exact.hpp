@@ -40,6 +40,18 @@
 // rounding to float. Values far below M * 2^-62 are lost; that is the price
 // of order independence.
 //
+// Pieces: a micro-batch's gradient may be computed in parts on several
+//   ranks (expert parallelism: an expert's weight gradient for a
+//   micro-batch's rows is computed where the expert lives). A part is a
+//   piece: a range of the buffer and its values, the rest of that
+//   contribution being zero here. Pieces are observed and converted like
+//   contributions, element by element, but do not count as contributions:
+//   the micro-batch is counted once, by the rank holding the rest of it.
+//   The caller guarantees that the pieces and the contribution of one
+//   micro-batch never cover the same element (else that element would be
+//   added twice), so no element receives more than N values and the
+//   overflow argument above holds unchanged.
+//
 // Errors: a non-finite input, more contributions than declared, a checked add
 // overflowing, or a sum beyond the float range give errc::overflow; mismatched
 // sizes and protocol misuse give errc::invalid_argument.
@@ -91,6 +103,12 @@ public:
 
   /// Converts the contribution to fixed point and adds it (checked).
   caf::error add(std::span<const float> contribution);
+  /// Phase 1 for a piece: `values` at [offset, offset + size) of the buffer.
+  void observe_piece(size_t offset, std::span<const float> values);
+  /// Phase 2 for a piece: converted and added like a contribution, without
+  /// counting as one (see Pieces above).
+  caf::error add_piece(size_t offset, std::span<const float> values);
+
   /// Contributions added here so far.
   size_t added() const { return added_; }
 
@@ -108,6 +126,9 @@ public:
   size_t contributions_max() const { return contributions_max_; }
 
 private:
+  /// Converts `values` and adds them at `offset` (checked, not counted).
+  caf::error accumulate(size_t offset, std::span<const float> values);
+
   size_t count_;
   size_t contributions_max_;
   uint32_t local_max_bits_ = 0; // bits of max |x| so far (> 0x7F800000: NaN seen)
@@ -120,6 +141,12 @@ private:
   std::vector<int64_t> acc_;
 };
 
+/// Part of a micro-batch's gradient: `values` at [offset, offset + size).
+struct exact_piece {
+  size_t offset = 0;
+  std::span<const float> values;
+};
+
 /// The whole protocol on a communicator: `contributions` are this rank's
 /// micro-batch gradients (possibly none), each out.size() floats;
 /// contributions_max bounds their number over all ranks together. Every
@@ -127,7 +154,7 @@ private:
 caf::error exact_all_reduce(communicator& comm,
                             const std::vector<std::span<const float>>& contributions,
                             std::span<float> out, size_t contributions_max,
-                            const op_options& o = {});
+                            const op_options& o = {}, std::span<const exact_piece> pieces = {});
 
 /// The same sum for a replica group that shards the buffer (HSDP): blocks
 /// of `count` elements split by shard_counts (one per member of `group`,
@@ -136,10 +163,13 @@ caf::error exact_all_reduce(communicator& comm,
 /// reduce-scattered over `group` and each block summed over `cross` (the
 /// ranks holding the same block in the other groups). The result is
 /// bit-identical to exact_all_reduce's block, whatever the layout.
+/// `pieces` (both): this rank's parts of micro-batches whose contribution
+/// another rank holds (see Pieces above).
 caf::error exact_reduce_scatter(communicator& world, communicator& group, communicator& cross,
                                 const std::vector<std::span<const float>>& contributions,
                                 size_t count, const std::vector<size_t>& shard_counts,
                                 std::span<float> out, size_t contributions_max,
-                                const op_options& o = {});
+                                const op_options& o = {},
+                                std::span<const exact_piece> pieces = {});
 
 } // namespace cmesh::coll

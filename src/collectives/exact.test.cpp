@@ -539,3 +539,72 @@ TEST_CASE("exact mode: empty and zero inputs") {
   REQUIRE(!results[0].err);
   CHECK(results[0].out == one[0]);
 }
+
+TEST_CASE("exact mode: a contribution split into pieces held by other ranks gives the same bits") {
+  // Expert parallelism computes part of a micro-batch's gradient where the
+  // expert lives: that part travels as a piece, the rest of the buffer as
+  // the contribution (zero where the pieces are).
+  const uint64_t seed = 20261207;
+  const size_t count = 1031, contributions = 4;
+  auto data = make_data(seed, contributions, count);
+  auto whole = run_exact(data, {{0, 1}, {2, 3}}, count, contributions);
+  for (auto& r : whole)
+    REQUIRE(!r.err);
+
+  // Contribution k keeps all but [100 + 50k, 300 + 50k) and [900, 1000),
+  // which rank (k + 1) % 2 holds as two pieces.
+  contribution_set holes = data;
+  std::vector<std::vector<std::pair<size_t, std::vector<float>>>> parts(2);
+  for (size_t k = 0; k < contributions; ++k)
+    for (auto [a, b] : {std::pair<size_t, size_t>{100 + 50 * k, 300 + 50 * k}, {900, 1000}}) {
+      parts[(k + 1) % 2].emplace_back(a, std::vector<float>(data[k].begin() + a,
+                                                            data[k].begin() + b));
+      std::fill(holes[k].begin() + a, holes[k].begin() + b, 0.0f);
+    }
+  std::vector<std::vector<exact_piece>> pieces(2);
+  for (size_t r = 0; r < 2; ++r)
+    for (auto& [at, values] : parts[r])
+      pieces[r].push_back({at, values});
+
+  local_group group(2);
+  std::vector<rank_result> split(2);
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      std::vector<std::span<const float>> mine{holes[2 * r], holes[2 * r + 1]};
+      split[r].out.assign(count, -1.0f);
+      split[r].err = exact_all_reduce(group[r], mine, split[r].out, contributions, {}, pieces[r]);
+    });
+  for (auto& t : threads)
+    t.join();
+  for (auto& r : split) {
+    CHECK_MESSAGE(!r.err, describe(r.err));
+    CHECK(same_bits(r.out, whole[0].out));
+  }
+}
+
+TEST_CASE("exact mode: a piece past the buffer fails on every rank and adds nothing") {
+  const size_t count = 64;
+  auto data = make_data(7, 2, count);
+  std::vector<float> tail(10, 1.0f);
+  std::vector<exact_piece> bad{{60, tail}};
+  local_group group(2);
+  std::vector<rank_result> out(2);
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      std::vector<std::span<const float>> mine{data[r]};
+      out[r].out.assign(count, -1.0f);
+      out[r].err = exact_all_reduce(group[r], mine, out[r].out, 2, {},
+                                    r == 0 ? std::span<const exact_piece>(bad)
+                                           : std::span<const exact_piece>{});
+    });
+  for (auto& t : threads)
+    t.join();
+  CHECK(describe(out[0].err)
+        == "invalid_argument: exact mode: piece 0 (10 values at 60) runs past the buffer of 64");
+  CHECK(describe(out[1].err)
+        == "invalid_argument: exact mode: another rank's contributions have the wrong size");
+  for (auto& r : out)
+    CHECK(std::all_of(r.out.begin(), r.out.end(), [](float x) { return x == -1.0f; }));
+}

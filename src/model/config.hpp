@@ -78,7 +78,7 @@ struct train_config {
   // holders) as soon as the step's last micro-batch is done with it. Not
   // with exact mode.
   bool overlap = true;
-  // Experts split over a group's ranks (S > 1, not exact): "balanced"
+  // Experts split over a group's ranks (S > 1; exact mode too): "balanced"
   // places them per micro-batch by load (the placement solver), with at
   // most expert_replicas extra copies of hot experts; "static" gives each
   // rank a fixed block of E/S.

@@ -76,6 +76,21 @@ public:
   }
   /// All-to-all of `per_rank` int64 values to and from every rank.
   virtual bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) = 0;
+  /// Per source (exact mode): a host computes each source rank's rows as
+  /// products of their own (the shapes the source would use alone), a
+  /// replicated expert takes all of one source's rows on host source %
+  /// replicas, and the weight gradient for another rank's rows goes to
+  /// piece() instead of gradients(). So each micro-batch's gradient has
+  /// the same bits as when it runs on one rank, in parts.
+  virtual bool per_source() const { return false; }
+  /// Per source: the gradient of the flat range [offset, offset + count)
+  /// (one expert's tensors) for the rows of `source`; valid for the call.
+  virtual void piece(size_t source, size_t offset, const float* values, size_t count) {
+    (void)source;
+    (void)offset;
+    (void)values;
+    (void)count;
+  }
 };
 
 /// Full sharding (ZeRO-3 / FSDP style): the runtime keeps only a shard of

@@ -648,20 +648,25 @@ private:
     m.e_act.resize(m.rows * h);
     m.e_out.resize(m.rows * dm);
     for (size_t e = 0; e < c_.experts; ++e) {
-      const expert_at& x = at_.layers[l].experts[e];
       const size_t first = static_cast<size_t>(m.host_offsets[e]);
       const size_t cnt = static_cast<size_t>(m.host_counts[e]);
-      T* pre = m.e_pre.data() + first * h;
-      T* act = m.e_act.data() + first * h;
       fetch(at_.layers[l].expert_units[e]);
-      linear(ops_, m.xp.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
-      round(pre, cnt * h);
-      ops_.gelu_forward(pre, act, cnt * h);
-      round(act, cnt * h);
-      linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, m.e_out.data() + first * dm);
-      round(m.e_out.data() + first * dm, cnt * dm);
+      expert_rows_forward(at_.layers[l].experts[e], m.xp.data() + first * dm,
+                          m.e_pre.data() + first * h, m.e_act.data() + first * h,
+                          m.e_out.data() + first * dm, cnt);
       release(at_.layers[l].expert_units[e]);
     }
+  }
+
+  // One expert's FFN over `cnt` rows: in -> pre -> act -> out.
+  void expert_rows_forward(const expert_at& x, const T* in, T* pre, T* act, T* out, size_t cnt) {
+    const size_t dm = d(), h = c_.expert_ffn;
+    linear(ops_, in, W(x.w1), W(x.b1), cnt, dm, h, pre);
+    round(pre, cnt * h);
+    ops_.gelu_forward(pre, act, cnt * h);
+    round(act, cnt * h);
+    linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, out);
+    round(out, cnt * dm);
   }
 
   // Rows of source-major blocks to expert-major (or back, `back`).
@@ -673,10 +678,14 @@ private:
     }
   }
 
-  // Rows of one source for one expert with `hosts` replicas: the i-th
-  // host's share [first, first + count) of the source's `rows`.
-  static std::pair<size_t, size_t> share(int64_t rows, size_t hosts, size_t i) {
+  // Rows of source `source` for one expert with `hosts` replicas: the i-th
+  // host's share [first, first + count) of the source's `rows`. Split
+  // evenly over the hosts; per source (exact mode) all go to host
+  // source % hosts, so that each source's rows meet in one product.
+  std::pair<size_t, size_t> share(int64_t rows, size_t hosts, size_t i, size_t source) const {
     const auto r = static_cast<size_t>(std::max<int64_t>(0, rows));
+    if (ex_->per_source())
+      return {0, i == source % hosts ? r : 0};
     const size_t first = r * i / hosts, last = r * (i + 1) / hosts;
     return {first, last - first};
   }
@@ -695,15 +704,14 @@ private:
     }
   }
 
-  // Expert parallel: the group agrees where each expert runs for this
-  // micro-batch (expert_exchange::place, from every rank's counts), this
-  // rank's rows go to their experts' hosts (split evenly over the replicas
-  // of a replicated expert), the hosts run their experts over the rows of
-  // every rank and send the outputs back.
-  void experts_forward_parallel(size_t l) {
+  // Where this micro-batch's rows of layer l go: the group agrees where
+  // each expert runs (expert_exchange::place, from every rank's counts);
+  // this rank's rows go to their experts' hosts (m.pieces, m.send) and
+  // its hosted experts receive every source's rows (m.blocks, m.recv,
+  // expert-major offsets m.mine_first / m.mine_rows).
+  void route_to_hosts(size_t l) {
     layer_cache<T, Ops>& m = caches_[l];
-    const size_t dm = d(), h = c_.expert_ffn, S = ex_->ranks(), me = ex_->rank();
-    const size_t E = c_.experts;
+    const size_t dm = d(), S = ex_->ranks(), me = ex_->rank(), E = c_.experts;
     // Every rank's rows per expert: all[s * E + e].
     std::vector<int64_t> out_counts(S * E), all(S * E);
     for (size_t j = 0; j < S; ++j)
@@ -723,7 +731,7 @@ private:
     for (size_t j = 0; j < S; ++j)
       for (size_t e = 0; e < E; ++e)
         if (long i = host_slot(e, j); i >= 0) {
-          auto [first, rows] = share(m.host_counts[e], hosts[e].size(), static_cast<size_t>(i));
+          auto [first, rows] = share(m.host_counts[e], hosts[e].size(), static_cast<size_t>(i), me);
           m.pieces.push_back({static_cast<size_t>(m.host_offsets[e]) + first, rows});
           m.send[j] += rows * dm;
         }
@@ -745,7 +753,7 @@ private:
       for (size_t i = 0; i < mine; ++i) {
         const size_t e = m.hosted[i];
         const size_t rows = share(all[s * E + e], hosts[e].size(),
-                                  static_cast<size_t>(host_slot(e, me))).second;
+                                  static_cast<size_t>(host_slot(e, me)), s).second;
         m.blocks.push_back({from, 0, rows});
         m.mine_rows[i] += rows;
         m.recv[s] += rows * dm;
@@ -754,15 +762,34 @@ private:
     m.erows = from;
     for (size_t i = 1; i < mine; ++i)
       m.mine_first[i] = m.mine_first[i - 1] + m.mine_rows[i - 1];
-    {
-      std::vector<size_t> at = m.mine_first;
-      for (size_t s = 0; s < S; ++s)
-        for (size_t i = 0; i < mine; ++i) {
-          auto& b = m.blocks[s * mine + i];
-          b.to = at[i];
-          at[i] += b.rows;
-        }
-    }
+    std::vector<size_t> at = m.mine_first;
+    for (size_t s = 0; s < S; ++s)
+      for (size_t i = 0; i < mine; ++i) {
+        auto& b = m.blocks[s * mine + i];
+        b.to = at[i];
+        at[i] += b.rows;
+      }
+  }
+
+  // The row ranges (expert-major) hosted expert i computes as one product
+  // each: all its rows at once, or (per source) each source's on their own.
+  template <class F>
+  void for_each_product(const layer_cache<T, Ops>& m, size_t i, F&& f) const {
+    if (!ex_->per_source())
+      return f(size_t{0}, m.mine_first[i], m.mine_rows[i]);
+    const size_t mine = m.hosted.size();
+    for (size_t s = 0; s < ex_->ranks(); ++s)
+      if (const auto& b = m.blocks[s * mine + i]; b.rows > 0)
+        f(s, b.to, b.rows);
+  }
+
+  // Expert parallel: this rank's rows go to their experts' hosts
+  // (route_to_hosts), the hosts run their experts over the rows of every
+  // rank and send the outputs back.
+  void experts_forward_parallel(size_t l) {
+    layer_cache<T, Ops>& m = caches_[l];
+    const size_t dm = d(), h = c_.expert_ffn, E = c_.experts;
+    route_to_hosts(l);
     m.xs.resize(m.rows * dm);
     pack(m, m.xp.data(), nullptr, dm, false);
     m.xr.resize(m.erows * dm);
@@ -777,17 +804,12 @@ private:
     for (size_t e = 0; e < E; ++e) {
       fetch(at_.layers[l].expert_units[e]);
       if (m.host_index[e] >= 0) {
-        const auto i = static_cast<size_t>(m.host_index[e]);
-        const expert_at& x = at_.layers[l].experts[e];
-        const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
-        T* pre = m.ee_pre.data() + first * h;
-        T* act = m.ee_act.data() + first * h;
-        linear(ops_, m.xe.data() + first * dm, W(x.w1), W(x.b1), cnt, dm, h, pre);
-        round(pre, cnt * h);
-        ops_.gelu_forward(pre, act, cnt * h);
-        round(act, cnt * h);
-        linear(ops_, act, W(x.w2), W(x.b2), cnt, h, dm, m.ye.data() + first * dm);
-        round(m.ye.data() + first * dm, cnt * dm);
+        for_each_product(m, static_cast<size_t>(m.host_index[e]),
+                         [&](size_t, size_t first, size_t cnt) {
+          expert_rows_forward(at_.layers[l].experts[e], m.xe.data() + first * dm,
+                              m.ee_pre.data() + first * h, m.ee_act.data() + first * h,
+                              m.ye.data() + first * dm, cnt);
+        });
       }
       release(at_.layers[l].expert_units[e]);
     }
@@ -800,35 +822,51 @@ private:
   // The backward of experts_forward_parallel: de_out_ (this rank's permuted
   // rows) to the hosts, their experts' gradients there, dxp_ back. A
   // replicated expert's weight gradient is split over its hosts: the
-  // group's gradient reduction adds the parts.
+  // group's gradient reduction adds the parts. Per source, the gradient of
+  // another rank's rows goes to expert_exchange::piece instead.
   void experts_backward_parallel(size_t l, T* g) {
     layer_cache<T, Ops>& m = caches_[l];
-    const size_t dm = d(), h = c_.expert_ffn;
+    const size_t dm = d(), h = c_.expert_ffn, me = ex_->rank();
     pack(m, de_out_.data(), nullptr, dm, false);
     ex_->exchange(m.xs.data(), m.send, m.xr.data(), m.recv);
     reorder(m, m.xr.data(), m.ye.data(), dm, false); // d(outputs), expert-major
     dact_.resize(m.erows * h);
     dxe_.resize(m.erows * dm);
     for (size_t e = 0; e < c_.experts; ++e) {
-      fetch(at_.layers[l].expert_units[e]);
-      accumulate(at_.layers[l].expert_units[e]);
+      const unit u = at_.layers[l].expert_units[e];
+      fetch(u);
+      accumulate(u);
       if (m.host_index[e] >= 0) {
-        const auto i = static_cast<size_t>(m.host_index[e]);
         const expert_at& x = at_.layers[l].experts[e];
-        const size_t first = m.mine_first[i], cnt = m.mine_rows[i];
-        T* da = dact_.data() + first * h;
-        linear_backward(ops_, m.ee_act.data() + first * h, m.ye.data() + first * dm, W(x.w2), cnt, h,
-                        dm, G(g, x.w2), G(g, x.b2), da, T(0));
-        ops_.gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
-        linear_backward(ops_, m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, G(g, x.w1),
-                        G(g, x.b1), dxe_.data() + first * dm, T(0));
+        for_each_product(m, static_cast<size_t>(m.host_index[e]),
+                         [&](size_t source, size_t first, size_t cnt) {
+          // Another source's weight gradient: its own zeroed buffer.
+          const bool own = !ex_->per_source() || source == me;
+          const size_t base = at_.tensors[u.first].offset;
+          if (!own)
+            piece_.assign(unit_size(u), T(0));
+          auto grad = [&](size_t off) { return own ? G(g, off) : piece_.data() + (off - base); };
+          T* da = dact_.data() + first * h;
+          linear_backward(ops_, m.ee_act.data() + first * h, m.ye.data() + first * dm, W(x.w2),
+                          cnt, h, dm, grad(x.w2), grad(x.b2), da, T(0));
+          ops_.gelu_backward(m.ee_pre.data() + first * h, da, da, cnt * h);
+          linear_backward(ops_, m.xe.data() + first * dm, da, W(x.w1), cnt, dm, h, grad(x.w1),
+                          grad(x.b1), dxe_.data() + first * dm, T(0));
+          if (!own)
+            ex_->piece(source, base, piece_.data(), piece_.size());
+        });
       }
-      reduced(at_.layers[l].expert_units[e]);
+      reduced(u);
     }
     reorder(m, dxe_.data(), m.xr.data(), dm, true);
     ex_->exchange(m.xr.data(), m.recv, m.xs.data(), m.send);
     dxp_.resize(m.rows * dm);
     pack(m, nullptr, dxp_.data(), dm, true);
+  }
+
+  size_t unit_size(unit u) const {
+    return at_.tensors[u.last - 1].offset + at_.tensors[u.last - 1].size
+           - at_.tensors[u.first].offset;
   }
 
   void backward(T* g, T loss_scale) {
@@ -944,6 +982,7 @@ private:
   moe_config c_;
   layout at_;
   expert_exchange* ex_ = nullptr;
+  std::vector<T> piece_; // per source: another rank's expert gradient
   parameter_stream* ps_ = nullptr;
   gradient_listener* gl_ = nullptr;
   unit live_;

@@ -428,6 +428,19 @@ public:
   }
   size_t ranks() const override { return ranks_; }
   size_t rank() const override { return me_; }
+  bool per_source() const override { return per_source_; }
+  void piece(size_t source, size_t offset, const float* values, size_t count) override {
+    pieces.push_back({round, source, offset, std::vector<float>(values, values + count)});
+  }
+  // Per source: the pieces of other ranks' gradients, by the round they
+  // came in (set by the caller before each micro-batch).
+  struct held_piece {
+    size_t round, source, offset;
+    std::vector<float> values;
+  };
+  bool per_source_ = false;
+  size_t round = 0;
+  std::vector<held_piece> pieces;
   bool exchange(const float* in, const std::vector<size_t>& send, float* out,
                 const std::vector<size_t>& recv) override {
     hub_.all_to_all(me_, reinterpret_cast<const char*>(in), bytes(send, sizeof(float)),
@@ -453,6 +466,58 @@ private:
   placement_fn place_;
 };
 
+/// Expert e on ranks e % 3 and (e + 1) % 3.
+hosts_t every_expert_on_two_of_three(size_t experts) {
+  hosts_t h(experts);
+  for (uint32_t e = 0; e < experts; ++e) {
+    h[e] = {e % 3, (e + 1) % 3};
+    std::sort(h[e].begin(), h[e].end());
+  }
+  return h;
+}
+
+/// `ranks` models whose experts are split over them by `place`.
+struct split_group {
+  split_group(const moe_config& c, size_t ranks, placement_fn place, bool per_source)
+      : hub(ranks) {
+    for (size_t r = 0; r < ranks; ++r) {
+      models.push_back(make_moe_lm(c));
+      xs.push_back(std::make_unique<thread_exchange>(hub, ranks, r, place));
+      xs[r]->per_source_ = per_source;
+      REQUIRE(models[r]->set_expert_exchange(xs[r].get()));
+    }
+  }
+
+  /// Rank r runs micro-batches r, r + ranks, ... in a thread of its own,
+  /// and an empty one where it has none left (the exchanges are
+  /// collective), as the trainer does: before(r, round), then the
+  /// micro-batch, then after(r, i, stats) for micro-batch i.
+  template <class Before, class After>
+  void run(const std::vector<batch>& batches, Before before, After after) {
+    const size_t ranks = models.size(), rounds = (batches.size() + ranks - 1) / ranks;
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        batch empty;
+        empty.seq_len = batches[0].seq_len;
+        for (size_t k = 0; k < rounds; ++k) {
+          const size_t i = k * ranks + r;
+          before(r, k);
+          if (i < batches.size())
+            after(r, i, models[r]->forward_backward(batches[i]));
+          else
+            models[r]->forward_backward(empty);
+        }
+      });
+    for (auto& t : threads)
+      t.join();
+  }
+
+  thread_exchange_hub hub;
+  std::vector<std::unique_ptr<model>> models;
+  std::vector<std::unique_ptr<thread_exchange>> xs;
+};
+
 /// Micro-batches dealt to `ranks` models in threads whose experts are split
 /// by `place`: the group's summed gradient must be that of one local model
 /// over all the micro-batches, and a rank holds no gradient of an expert it
@@ -466,31 +531,12 @@ void check_split_gradient(size_t ranks, placement_fn place, const std::vector<ba
     ref_loss.push_back(reference->forward_backward(b).loss);
   std::vector<float> want(reference->gradients().begin(), reference->gradients().end());
 
-  thread_exchange_hub hub(ranks);
-  std::vector<std::unique_ptr<model>> models;
-  std::vector<std::unique_ptr<thread_exchange>> xs;
-  for (size_t r = 0; r < ranks; ++r) {
-    models.push_back(make_moe_lm(c));
-    xs.push_back(std::make_unique<thread_exchange>(hub, ranks, r, place));
-    REQUIRE(models[r]->set_expert_exchange(xs[r].get()));
-  }
-  const size_t rounds = (batches.size() + ranks - 1) / ranks;
+  split_group g(c, ranks, place, false);
+  auto& models = g.models;
+  auto& xs = g.xs;
   std::vector<double> loss(batches.size());
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      batch empty;
-      empty.seq_len = batches[0].seq_len;
-      for (size_t k = 0; k < rounds; ++k) {
-        const size_t i = k * ranks + r;
-        if (i < batches.size())
-          loss[i] = models[r]->forward_backward(batches[i]).loss;
-        else
-          models[r]->forward_backward(empty);
-      }
-    });
-  for (auto& t : threads)
-    t.join();
+  g.run(batches, [](size_t, size_t) {},
+        [&](size_t, size_t i, const step_stats& st) { loss[i] = st.loss; });
   for (size_t i = 0; i < batches.size(); ++i)
     CHECK(loss[i] == doctest::Approx(ref_loss[i]).epsilon(1e-6));
   double worst = 0, scale = 0;
@@ -521,7 +567,59 @@ void check_split_gradient(size_t ranks, placement_fn place, const std::vector<ba
     }
 }
 
+/// Per source (exact mode): each micro-batch's gradient, its own rank's
+/// part plus the pieces its experts' hosts computed, has the bits of the
+/// same micro-batch's gradient on one local model.
+void check_per_source_gradient(size_t ranks, placement_fn place, const std::vector<batch>& batches) {
+  auto c = tiny_config(2);
+  split_group g(c, ranks, place, true);
+  auto& xs = g.xs;
+  std::vector<std::vector<float>> own(batches.size());
+  g.run(
+    batches,
+    [&](size_t r, size_t k) {
+      g.models[r]->zero_gradients();
+      xs[r]->round = k;
+    },
+    [&](size_t r, size_t i, const step_stats&) {
+      own[i].assign(g.models[r]->gradients().begin(), g.models[r]->gradients().end());
+    });
+  auto local = make_moe_lm(c);
+  size_t pieces = 0;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    CAPTURE(i);
+    std::vector<float> whole = own[i];
+    for (auto& x : xs)
+      for (auto& p : x->pieces)
+        if (p.round * ranks + p.source == i) {
+          ++pieces;
+          for (size_t j = 0; j < p.values.size(); ++j) {
+            REQUIRE(whole[p.offset + j] == 0.0f); // no element computed twice
+            whole[p.offset + j] = p.values[j];
+          }
+        }
+    local->zero_gradients();
+    local->forward_backward(batches[i]);
+    auto want = local->gradients();
+    CHECK(std::memcmp(whole.data(), want.data(), want.size() * sizeof(float)) == 0);
+  }
+  MESSAGE(ranks << " ranks: " << pieces << " pieces");
+  CHECK(pieces > 0);
+}
+
 } // namespace
+
+TEST_CASE("moe_lm: experts per source: each micro-batch's gradient has the local bits") {
+  std::mt19937 rng(11);
+  const auto text = repeated_text(4096);
+  std::vector<batch> batches;
+  for (size_t sequences : {3, 2, 2, 4, 1})
+    batches.push_back(make_batch(text, sequences, 32, rng));
+  SUBCASE("two ranks, the static placement") { check_per_source_gradient(2, {}, batches); }
+  SUBCASE("three ranks, every expert on two ranks (one source's rows on one of them)") {
+    check_per_source_gradient(3, every_expert_on_two_of_three, batches);
+  }
+}
 
 TEST_CASE("moe_lm: experts split over one rank compute exactly what the local experts do") {
   auto c = tiny_config(2);
@@ -555,17 +653,7 @@ TEST_CASE("moe_lm: experts split over ranks: the group's gradient is the local o
     check_split_gradient(2, [](size_t) { return hosts_t{{0, 1}, {1}, {1}, {0}}; }, batches);
   }
   SUBCASE("three ranks for four experts, every expert on two ranks") {
-    check_split_gradient(
-      3,
-      [](size_t experts) {
-        hosts_t h(experts);
-        for (uint32_t e = 0; e < experts; ++e) {
-          h[e] = {e % 3, (e + 1) % 3};
-          std::sort(h[e].begin(), h[e].end());
-        }
-        return h;
-      },
-      batches);
+    check_split_gradient(3, every_expert_on_two_of_three, batches);
   }
   SUBCASE("two ranks, every expert on rank 1") {
     check_split_gradient(2, [](size_t experts) { return hosts_t(experts, {1}); }, batches);
