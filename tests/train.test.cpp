@@ -257,6 +257,73 @@ TEST_CASE("exact mode with experts split over the group: the bits of 1x1") {
   CHECK(replicated == one);
 }
 
+TEST_CASE("resident experts: each rank holds only its experts") {
+  // 16 experts over the 4 ranks of one group: a rank hosts 4 of them, and
+  // holds their weights, gradient and optimizer state and no other's. The
+  // bytes each rank holds for experts are measured (resident pages of the
+  // model's buffers inside expert tensors, and the expert elements of its
+  // state arrays) and printed with its done line.
+  auto path = "/tmp/cmesh_resident_" + std::to_string(getpid()) + ".toml";
+  auto run = [&](const std::string& experts, const std::string& args) {
+    {
+      std::ofstream(path) << "[model]\nexperts = 16\nexpert_ffn = 256\n[train]\nexperts = \""
+                          << experts << "\"\n";
+    }
+    auto r = train(args + " --config " + path + " --steps 10 --log-every 5");
+    std::vector<double> mib;
+    for (auto& v : captures(r.output, "rank [0-9]+ done [^\n]*expert_mib=([0-9.]+)"))
+      mib.push_back(std::stod(v));
+    auto ranks = rank_weights(r.output);
+    CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
+    return std::pair{mib, r.output};
+  };
+  const auto [one, one_out] = run("resident", layout(1, 1));
+  const auto [four, four_out] = run("resident", layout(1, 4));
+  const auto [replicated, replicated_out] = run("replicated", layout(1, 4));
+  std::remove(path.c_str());
+  REQUIRE(one.size() == 1);
+  REQUIRE(four.size() == 4);
+  REQUIRE(replicated.size() == 4);
+  CHECK(four_out.find("holds 4 of 16 experts per layer") != std::string::npos);
+  MESSAGE("MiB for experts per rank: resident 1x1 " << one[0] << ", resident 1x4 " << four[0]
+          << " " << four[1] << " " << four[2] << " " << four[3] << ", replicated 1x4 "
+          << replicated[0]);
+  for (size_t r = 0; r < 4; ++r) {
+    CHECK(four[r] <= 0.30 * one[0]);
+    CHECK(four[r] < replicated[r]);
+  }
+  // The same training: only the order of float sums differs.
+  CHECK(largest_difference(loss_curve(four_out), loss_curve(replicated_out)) < 0.02);
+}
+
+TEST_CASE("resident experts: exact runs end with the bits of 1x1, also after kills") {
+  auto path = "/tmp/cmesh_resident_exact_" + std::to_string(getpid()) + ".toml";
+  {
+    std::ofstream(path) << "[model]\nexperts = 8\n[train]\nexperts = \"resident\"\n";
+  }
+  const std::string job = " --config " + path + " --exact --steps 30 --log-every 10";
+  const auto one = field(train(layout(1, 1) + job).output, "weights");
+  const auto four = field(train(layout(1, 4) + job).output, "weights");
+  const auto two_by_two = field(train(layout(2, 2) + job).output, "weights");
+  // A rank of each group killed in turn: its group is fenced, restarted,
+  // and catches up its positions' states (a rank's own experts) from the
+  // other group.
+  auto killed = run_cmesh("launch " + layout(2, 2) + job
+                            + " --restart-delay-ms 200 --chaos kill@8:3,kill@18:0",
+                          {}, 600s);
+  std::remove(path.c_str());
+  INFO(killed.output);
+  REQUIRE(killed.exit_code == 0);
+  CHECK(killed.output.find("caught up") != std::string::npos);
+  MESSAGE("exact, resident: 1x1 " << one << ", 1x4 " << four << ", 2x2 " << two_by_two
+          << ", 2x2 with two kills " << field(killed.output, "weights"));
+  REQUIRE(one.size() == 16);
+  CHECK(four == one);
+  CHECK(two_by_two == one);
+  for (auto& w : rank_weights(killed.output))
+    CHECK(w == one);
+}
+
 TEST_CASE("expert placement: balanced and replicated experts train like static blocks") {
   // 8 experts over the 2 ranks of each group. The rows each rank computes
   // are printed as "hosts" (max rank load / mean, over the step).

@@ -1,6 +1,7 @@
 #include "actors/trainer.hpp"
 
 #include "actors/optimizer.hpp"
+#include "actors/resident.hpp"
 #include "actors/step_collectives.hpp"
 
 #include "collectives/exact.hpp"
@@ -135,6 +136,8 @@ struct trainer::impl {
   bool on_device = false;              // the gradient summed on the model's device
   shard_split shards;
   size_t position = 0;                 // this rank's position in its group
+  std::optional<resident_layout> resident; // train.experts = "resident": the state's layout
+  std::vector<float> packed;           // resident: the dense tensors, packed
   std::vector<float> adam_m, adam_v;   // of this rank's shard
   bool bf16 = false;
   std::vector<float> master;           // bf16: the fp32 master of the shard
@@ -175,16 +178,27 @@ struct trainer::impl {
     comm_s += mono_s() - t0;
   }
 
-  void init_state(size_t n, uint32_t rank) {
-    shards = split_shards(n, per_group(), norm_block);
+  void init_state(model::model& m, uint32_t rank) {
+    shards = split_shards(m.parameters().size(), per_group(), norm_block);
     position = rank % per_group();
-    adam_m.assign(shards.counts[position], 0.0f);
-    adam_v.assign(shards.counts[position], 0.0f);
+    size_t state = shards.counts[position];
+    if (o.config.train.experts == "resident") {
+      auto l = resident_layout::make(m.tensors(), m.experts(), per_group(), position);
+      CMESH_CHECK(l); // the config was checked: the experts divide over the ranks
+      resident = std::move(*l);
+      state = resident->state_size();
+    }
+    adam_m.assign(state, 0.0f);
+    adam_v.assign(state, 0.0f);
     bf16 = o.config.train.precision == "bf16";
     full = o.config.train.sharding == "full" && per_group() > 1;
     scalars = {static_cast<float>(o.config.train.loss_scale), 0.0f};
   }
+  /// This rank's shard of a flat buffer (resident experts: none, the state
+  /// is not one range of it).
   std::span<float> shard_of(std::span<float> full) const {
+    if (resident)
+      return {};
     return full.subspan(shards.offsets[position], shards.counts[position]);
   }
 
@@ -194,6 +208,14 @@ struct trainer::impl {
   caf::error device_epoch();
   caf::error reconcile(train_state& st);
   expected<double> global_norm(std::span<const float> shard);
+  expected<double> resident_norm(std::span<const float> state);
+  /// Where tensor elements [a, b) lie in this rank's state: (index, count),
+  /// count 0 when none do.
+  std::pair<size_t, size_t> in_state(size_t a, size_t b) const;
+  /// The flat element at index i of this rank's state.
+  size_t flat_of(size_t i) const {
+    return resident ? resident->flat_of(i) : shards.offsets[position] + i;
+  }
   // Replica verification.
   void maybe_flip(std::span<float> master, uint64_t step, const model::model& net);
   caf::error check_replicas(coll::communicator& comm, std::span<const int64_t> hashes,
@@ -212,14 +234,14 @@ trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
   CMESH_CHECK(impl_->per_group() == 1); // groups of several ranks need a supervision
   impl_->comm = &comm;
   impl_->cross = &comm;
-  impl_->init_state(model_->parameters().size(), comm.members().ranks[comm.index()]);
+  impl_->init_state(*model_, comm.members().ranks[comm.index()]);
 }
 
 trainer::trainer(trainer_options opts, std::unique_ptr<model::model> m,
                  std::shared_ptr<const model::corpus> data, supervision& sup, uint32_t rank)
     : impl_(std::make_unique<impl>(std::move(opts), std::move(data))), model_(std::move(m)) {
   impl_->sup = &sup;
-  impl_->init_state(model_->parameters().size(), rank);
+  impl_->init_state(*model_, rank);
 }
 
 trainer::~trainer() = default;
@@ -370,6 +392,8 @@ caf::error trainer::impl::reconcile(train_state& st) {
 /// squares in double, gathered over the group (bit patterns, not summed on
 /// the wire), then added in block order: the same bits in every layout.
 expected<double> trainer::impl::global_norm(std::span<const float> shard) {
+  if (resident)
+    return resident_norm(shard);
   const size_t total = shards.offsets.back() + shards.counts.back();
   auto blocks_in = [](size_t n) { return (n + norm_block - 1) / norm_block; };
   std::vector<size_t> counts;
@@ -391,6 +415,53 @@ expected<double> trainer::impl::global_norm(std::span<const float> shard) {
   for (double p : partial)
     sum += p;
   return std::sqrt(sum);
+}
+
+/// Resident experts: the same per-block sums, each block computed by the
+/// rank holding it and the others' zeros added to it (as bit patterns, so
+/// nothing rounds), then added in block order.
+expected<double> trainer::impl::resident_norm(std::span<const float> state) {
+  const auto& L = *resident;
+  std::vector<int64_t> partial(L.blocks(), 0);
+  size_t at = 0;
+  for (size_t k = 0; k < L.block_ids().size(); ++k) {
+    const double v = kernels::cpu::sum_of_squares(state.data() + at, L.block_lengths()[k]);
+    std::memcpy(&partial[L.block_ids()[k]], &v, sizeof v);
+    at += L.block_lengths()[k];
+  }
+  if (group)
+    if (auto e = group->all_reduce(std::span<int64_t>(partial), coll::reduce_op::sum))
+      return e;
+  double sum = 0;
+  for (int64_t bits : partial) {
+    double v;
+    std::memcpy(&v, &bits, sizeof v);
+    sum += v;
+  }
+  return std::sqrt(sum);
+}
+
+std::pair<size_t, size_t> trainer::impl::in_state(size_t a, size_t b) const {
+  if (!resident) {
+    const size_t lo = shards.offsets[position], hi = lo + shards.counts[position];
+    const size_t x = std::max(lo, a), y = std::min(hi, b);
+    return y > x ? std::pair{x - lo, y - x} : std::pair{size_t{0}, size_t{0}};
+  }
+  // A tensor's elements here are one run of the state: a dense tensor's
+  // part of the dense piece (contiguous in the packed order), or a whole
+  // expert tensor inside its unit.
+  size_t at = 0;
+  std::pair<size_t, size_t> out{0, 0};
+  for (const auto& r : resident->state_ranges()) {
+    const size_t x = std::max(r.begin, a), y = std::min(r.end, b);
+    if (y > x) {
+      if (out.second == 0)
+        out.first = at + (x - r.begin);
+      out.second += y - x;
+    }
+    at += r.size();
+  }
+  return out;
 }
 
 uint64_t hash_state(std::span<const float> params, std::span<const float> adam_m,
@@ -416,7 +487,7 @@ void trainer::impl::maybe_flip(std::span<float> master, uint64_t step, const mod
   std::memcpy(&bits, &master[i], sizeof bits);
   bits ^= 1u;
   std::memcpy(&master[i], &bits, sizeof bits);
-  const size_t at = shards.offsets[position] + i;
+  const size_t at = flat_of(i);
   std::string tensor = "?";
   for (const auto& t : net.tensors())
     if (at >= t.offset && at < t.offset + t.size)
@@ -430,11 +501,9 @@ void trainer::impl::maybe_flip(std::span<float> master, uint64_t step, const mod
 /// (a tensor outside this shard hashes nothing).
 std::vector<uint64_t> trainer::impl::segment_hashes(std::span<const float> master,
                                                     const model::model& net) const {
-  const size_t lo = shards.offsets[position], hi = lo + shards.counts[position];
   std::vector<uint64_t> out;
   for (const auto& t : net.tensors()) {
-    const size_t a = std::max(lo, t.offset), b = std::min(hi, t.offset + t.size);
-    const size_t n = b > a ? b - a : 0, at = n ? a - lo : 0;
+    const auto [at, n] = in_state(t.offset, t.offset + t.size);
     out.push_back(XXH3_64bits(master.data() + at, n * sizeof(float)));
     out.push_back(XXH3_64bits(adam_m.data() + at, n * sizeof(float)));
     out.push_back(XXH3_64bits(adam_v.data() + at, n * sizeof(float)));
@@ -613,6 +682,9 @@ struct trainer::loop {
   caf::error prepare();
   caf::error enter(caf::error why);
   void split_experts();
+  caf::error hold_resident();
+  void gather_resident(step_ctx& s);
+  void sum_resident(step_ctx& s);
   expected<train_result> run();
   /// False when the loop ends (a stop agreed); an error ends the run.
   expected<bool> run_step();
@@ -622,6 +694,8 @@ struct trainer::loop {
   void account(step_ctx& s, const model::step_stats& m);
   void compute(step_ctx& s, float loss_scale);
   void compute_exact(step_ctx& s);
+  caf::error exact_resident(step_ctx& s, const std::vector<std::span<const float>>& spans,
+                            std::span<const coll::exact_piece> pieces);
   size_t group_runs(const step_ctx& s) const;
   void sum_whole(step_ctx& s);
   void sum_on_device(step_ctx& s);
@@ -631,14 +705,20 @@ struct trainer::loop {
   expected<bool> commit(step_ctx& s);
   void report(step_ctx& s, bool skipped);
   expected<uint64_t> weights_hash();
+  expected<uint64_t> resident_hash();
+  size_t expert_bytes() const;
 };
 
 /// The master, streaming, device and reducer set-up of the run's mode.
 caf::error trainer::loop::prepare() {
   // The fp32 master of the shard: the working weights themselves in fp32,
-  // a copy of its own in bf16 (the working weights are its rounding) and
-  // with full sharding (the working weights come and go).
-  if (I.bf16 || I.full) {
+  // a copy of its own in bf16 (the working weights are its rounding), with
+  // full sharding (the working weights come and go) and with resident
+  // experts (the state is not one range of the weights).
+  if (I.resident) {
+    if (auto e = hold_resident())
+      return e;
+  } else if (I.bf16 || I.full) {
     I.master.assign(my_params.begin(), my_params.end());
     master = I.master;
   }
@@ -658,7 +738,7 @@ caf::error trainer::loop::prepare() {
   }
   // Whole weights: summed unit by unit during the backward pass when the
   // model reports finished units, else after it.
-  whole_weights = !I.full && !tc.exact;
+  whole_weights = !I.full && !tc.exact && !I.resident;
   // On a device: the gradient stays there and the device's collectives sum
   // it, once the backward passes are over.
   I.on_device = whole_weights && I.sup && tc.gradient_collectives == "device"
@@ -683,6 +763,80 @@ caf::error trainer::loop::prepare() {
   if (I.o.load)
     return I.o.load(st, I.shards.offsets[I.position]);
   return {};
+}
+
+/// Resident experts: the master is this rank's state (its piece of the
+/// dense tensors, then its experts), copied out of the initial weights; the
+/// model keeps only the dense tensors and this rank's experts, and hands
+/// the rest of its buffers back.
+caf::error trainer::loop::hold_resident() {
+  if (I.o.load || I.o.listener)
+    return make_error(errc::invalid_argument,
+                      "train.experts = \"resident\" does not support checkpoints or the "
+                      "checkpoint shadow yet");
+  const auto& L = *I.resident;
+  I.master.resize(L.state_size());
+  L.gather_state(params, I.master);
+  master = I.master;
+  std::vector<std::pair<size_t, size_t>> keep;
+  for (const auto& r : L.touched())
+    keep.emplace_back(r.begin, r.end);
+  if (!net.hold_only(keep))
+    return make_error(errc::invalid_argument,
+                      "train.experts = \"resident\": the model cannot hold part of its weights");
+  if (tc.overlap && S > 1)
+    spdlog::info("trainer: resident experts: gradients summed after the backward pass "
+                 "(no overlap yet)");
+  spdlog::info("trainer: resident experts: this rank holds {} of {} experts per layer, {} of "
+               "{} parameters",
+               net.experts() / S, net.experts(), L.state_size(), params.size());
+  return {};
+}
+
+/// Resident experts: this rank's experts come from its master as they are
+/// (nobody else holds them); the dense tensors are gathered over the group,
+/// packed, and unpacked into place.
+void trainer::loop::gather_resident(step_ctx& s) {
+  const auto& L = *I.resident;
+  L.scatter_state(master, params);
+  if (!I.group)
+    return;
+  I.packed.resize(L.dense_total());
+  const size_t at = L.dense_split().offsets[I.position];
+  std::copy(master.begin(), master.begin() + L.dense_piece(), I.packed.begin() + at);
+  I.collective(s.latched, [&] {
+    return I.group->all_gather(I.packed.data() + at, I.packed.data(), L.dense_split().counts,
+                               coll::dtype::float32);
+  });
+  if (!s.latched)
+    L.unpack_dense(I.packed, params);
+}
+
+/// Resident experts: the dense gradient reduce-scattered over the group
+/// (packed), this rank's experts' gradient as it is (every row routed to
+/// them was computed here), then the state's sum over the groups.
+void trainer::loop::sum_resident(step_ctx& s) {
+  const auto& L = *I.resident;
+  if (!I.group) {
+    L.gather_state(grads, s.update);
+  } else {
+    I.packed.resize(L.dense_total());
+    L.pack_dense(grads, I.packed);
+    I.collective(s.latched, [&] {
+      return I.group->reduce_scatter(I.packed.data(), s.update.data(), L.dense_split().counts,
+                                     coll::dtype::float32, coll::reduce_op::sum);
+    });
+    size_t at = L.dense_piece();
+    for (const auto& u : L.units()) {
+      std::copy(grads.begin() + u.begin, grads.begin() + u.end, s.update.begin() + at);
+      at += u.size();
+    }
+  }
+  coll::communicator* across = I.group ? I.cross : s.comm;
+  I.collective(s.latched, [&] {
+    return across->all_reduce(s.update.data(), s.update.size(), coll::dtype::float32,
+                              coll::reduce_op::sum);
+  });
 }
 
 /// Enters the next epoch (after a failure `why`, or an agreed switch) and
@@ -719,7 +873,8 @@ caf::error trainer::loop::enter(caf::error why) {
 void trainer::loop::split_experts() {
   if (!I.group)
     return;
-  I.experts.configure(tc.expert_placement == "balanced", tc.expert_replicas);
+  // Resident experts stay on their hosts: the static blocks.
+  I.experts.configure(tc.expert_placement == "balanced" && !I.resident, tc.expert_replicas);
   I.experts.set_per_source(tc.exact);
   I.experts.reset(I.group);
   I.experts.set_lane(I.lane.get());
@@ -756,6 +911,8 @@ void trainer::loop::boundary(step_ctx& s) {
 /// rounded, and gathered as bf16). Full sharding gathers unit by unit
 /// inside the model (weight_stream) instead.
 void trainer::loop::gather_weights(step_ctx& s) {
+  if (I.resident)
+    return gather_resident(s);
   if (I.full)
     return;
   if (I.on_device) {
@@ -799,6 +956,11 @@ void trainer::loop::gather_weights(step_ctx& s) {
 /// Where the reduced gradient of this rank's shard ends (`s.update`), and
 /// the streams and reducer that fill it.
 void trainer::loop::bind_update(step_ctx& s) {
+  if (I.resident) {
+    I.shard_grad.resize(master.size());
+    s.update = I.shard_grad;
+    return;
+  }
   s.update = S == 1 ? grads : std::span<float>();
   if (S > 1 && I.on_device) {
     s.update = I.shard_of(grads); // the shard's sum is downloaded into place
@@ -920,11 +1082,33 @@ void trainer::loop::compute_exact(step_ctx& s) {
     I.sup->computing(false);
   const auto pieces = I.expert_parallel ? I.experts.pieces() : std::vector<coll::exact_piece>{};
   I.collective(s.latched, [&] {
-    if (!I.group)
-      return coll::exact_all_reduce(*s.comm, spans, grads, micro_total);
+    if (!I.group) {
+      auto e = coll::exact_all_reduce(*s.comm, spans, grads, micro_total);
+      if (!e && I.resident)
+        I.resident->gather_state(grads, s.update);
+      return e;
+    }
+    if (I.resident)
+      return exact_resident(s, spans, pieces);
     return coll::exact_reduce_scatter(*s.comm, *I.group, *I.cross, spans, grads.size(),
                                       I.shards.counts, s.update, micro_total, {}, pieces);
   });
+}
+
+/// Exact mode with resident experts: the dense integers reduce-scattered
+/// over the group (packed), this rank's experts' as they are.
+caf::error trainer::loop::exact_resident(step_ctx& s,
+                                         const std::vector<std::span<const float>>& spans,
+                                         std::span<const coll::exact_piece> pieces) {
+  const auto& L = *I.resident;
+  std::vector<coll::exact_range> dense, own;
+  for (const auto& r : L.dense())
+    dense.emplace_back(r.begin, r.end);
+  for (const auto& r : L.units())
+    own.emplace_back(r.begin, r.end);
+  return coll::exact_reduce_scatter_packed(*s.comm, *I.group, *I.cross, spans, grads.size(),
+                                           dense, L.dense_split().counts, own, s.update,
+                                           micro_total, {}, pieces);
 }
 
 /// On a device: the gradient summed in place there, then this rank's shard
@@ -981,7 +1165,9 @@ void trainer::loop::reduce_gradient(step_ctx& s) {
   // bf16: gradients of the scaled loss, summed as bf16.
   const float scale = I.bf16 ? I.scalars[0] : 1.0f;
   compute(s, scale);
-  if (I.full)
+  if (I.resident)
+    sum_resident(s);
+  else if (I.full)
     sum_shard(s);
   else
     sum_whole(s);
@@ -1113,6 +1299,8 @@ void trainer::loop::report(step_ctx& s, bool skipped) {
 /// The hash of the final fp32 weights, from the group's masters: with full
 /// sharding window by window, never the whole buffer at once.
 expected<uint64_t> trainer::loop::weights_hash() {
+  if (I.resident)
+    return resident_hash();
   if (!I.full) {
     if (I.bf16)
       std::copy(master.begin(), master.end(), my_params.begin());
@@ -1140,6 +1328,66 @@ expected<uint64_t> trainer::loop::weights_hash() {
     buf.resize(b - a);
     if (auto e = fp32.gather(a, b, buf.data()))
       return e;
+    XXH64_update(h.get(), buf.data(), buf.size() * sizeof(float));
+  }
+  return XXH64_digest(h.get());
+}
+
+/// See train_result::expert_bytes.
+size_t trainer::loop::expert_bytes() const {
+  size_t in_state = 0, pages = 0, run_a = 0, run_b = 0;
+  auto flush = [&] {
+    if (run_b > run_a)
+      pages += resident_bytes_in(params.data() + run_a, run_b - run_a)
+               + resident_bytes_in(grads.data() + run_a, run_b - run_a);
+  };
+  for (const auto& t : net.tensors()) {
+    if (t.expert < 0)
+      continue;
+    in_state += I.in_state(t.offset, t.offset + t.size).second;
+    if (t.offset != run_b) {
+      flush();
+      run_a = t.offset;
+    }
+    run_b = t.offset + t.size;
+  }
+  flush();
+  const size_t arrays = 2 + (I.master.empty() ? 0 : 1) + (I.shard_grad.empty() ? 0 : 1)
+                        + I.recent.size();
+  return pages + in_state * sizeof(float) * arrays;
+}
+
+/// Resident experts: window by window, each rank puts the elements it
+/// holds (as bit patterns, zeros elsewhere) and the group sums them, so no
+/// rank ever holds every expert.
+expected<uint64_t> trainer::loop::resident_hash() {
+  const auto& L = *I.resident;
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> h(XXH64_createState(),
+                                                               &XXH64_freeState);
+  XXH64_reset(h.get(), 0);
+  constexpr size_t window = size_t{1} << 20;
+  std::vector<int64_t> bits;
+  std::vector<float> buf;
+  for (size_t a = 0; a < params.size(); a += window) {
+    const size_t b = std::min(params.size(), a + window);
+    bits.assign(b - a, 0);
+    size_t at = 0;
+    for (const auto& r : L.state_ranges()) {
+      for (size_t i = std::max(a, r.begin); i < std::min(b, r.end); ++i) {
+        uint32_t u;
+        std::memcpy(&u, &master[at + (i - r.begin)], sizeof u);
+        bits[i - a] = u;
+      }
+      at += r.size();
+    }
+    if (I.group)
+      if (auto e = I.group->all_reduce(std::span<int64_t>(bits), coll::reduce_op::sum))
+        return e;
+    buf.resize(b - a);
+    for (size_t i = 0; i < buf.size(); ++i) {
+      const auto u = static_cast<uint32_t>(bits[i]);
+      std::memcpy(&buf[i], &u, sizeof u);
+    }
     XXH64_update(h.get(), buf.data(), buf.size() * sizeof(float));
   }
   return XXH64_digest(h.get());
@@ -1178,6 +1426,7 @@ expected<train_result> trainer::loop::run() {
   if (!h)
     return h.error();
   result.weights_xxh64 = *h;
+  result.expert_bytes = expert_bytes();
   return result;
 }
 

@@ -109,6 +109,11 @@ struct train_result {
   double verify_ms = 0;         // spent hashing and comparing replicas (this rank)
   uint64_t state_hash = 0;      // hash_state of this rank's final state (shard)
   bool stopped = false;         // ended before the last step: a stop was asked for
+  /// Bytes this rank holds for the experts at the end: the resident pages
+  /// of the model's weights and gradient inside expert tensors, and the
+  /// expert elements of its state arrays (master when a copy, AdamW
+  /// moments, reduced gradient, replay window).
+  size_t expert_bytes = 0;
 };
 
 /// A rank's training state "at step s": the weights and AdamW moments after

@@ -387,4 +387,67 @@ caf::error exact_reduce_scatter(communicator& world, communicator& group, commun
   return fixed_to_floats(std::span<const int64_t>(block).first(out.size()), sum.shift(), out);
 }
 
+caf::error exact_reduce_scatter_packed(communicator& world, communicator& group,
+                                       communicator& cross,
+                                       const std::vector<std::span<const float>>& contributions,
+                                       size_t count, std::span<const exact_range> shared,
+                                       const std::vector<size_t>& shard_counts,
+                                       std::span<const exact_range> own, std::span<float> out,
+                                       size_t contributions_max, const op_options& o,
+                                       std::span<const exact_piece> pieces) {
+  const size_t me = group.index(), last = shard_counts.size() - 1;
+  auto total = [](std::span<const exact_range> rs) {
+    size_t n = 0;
+    for (auto [a, b] : rs)
+      n += b - a;
+    return n;
+  };
+  size_t split = 0;
+  for (auto c : shard_counts)
+    split += c;
+  const size_t packed = total(shared), owned = total(own);
+  if (shard_counts.size() != group.size() || split != packed
+      || out.size() != shard_counts[me] + owned)
+    return make_error(errc::invalid_argument,
+                      "exact mode: shard counts do not split the shared elements over the group");
+  for (auto rs : {shared, own})
+    for (auto [a, b] : rs)
+      if (a > b || b > count)
+        return make_error(errc::invalid_argument, "exact mode: a range runs past the buffer");
+  exact_sum sum(count, contributions_max);
+  if (auto err = exact_prepare(world, contributions, pieces, sum, o))
+    return err;
+  // Phase 3: the shared integers packed (the count of contributions at
+  // their end), reduce-scattered over the group; this rank's own ones
+  // appended; the block summed over the groups.
+  const auto acc = sum.accumulator();
+  std::vector<int64_t> shared_acc;
+  shared_acc.reserve(packed + 1);
+  for (auto [a, b] : shared)
+    shared_acc.insert(shared_acc.end(), acc.begin() + a, acc.begin() + b);
+  shared_acc.push_back(acc[count]);
+  auto counts = shard_counts;
+  counts[last] += 1;
+  std::vector<int64_t> block(counts[me]);
+  if (auto err = group.reduce_scatter(shared_acc.data(), block.data(), counts, dtype::int64,
+                                      reduce_op::sum, o))
+    return err;
+  const bool tail = me == last;
+  const int64_t n_here = tail ? block.back() : 0;
+  if (tail)
+    block.pop_back();
+  for (auto [a, b] : own)
+    block.insert(block.end(), acc.begin() + a, acc.begin() + b);
+  if (tail)
+    block.push_back(n_here); // the count rides at the end, as in exact_reduce_scatter
+  if (auto err = cross.all_reduce(std::span<int64_t>(block), reduce_op::sum, o))
+    return err;
+  if (tail) {
+    int64_t n = block.back();
+    if (n < 0 || static_cast<uint64_t>(n) > contributions_max)
+      return make_error(errc::overflow, too_many(contributions_max, static_cast<uint64_t>(n)));
+  }
+  return fixed_to_floats(std::span<const int64_t>(block).first(out.size()), sum.shift(), out);
+}
+
 } // namespace cmesh::coll

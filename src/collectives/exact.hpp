@@ -172,4 +172,23 @@ caf::error exact_reduce_scatter(communicator& world, communicator& group, commun
                                 const op_options& o = {},
                                 std::span<const exact_piece> pieces = {});
 
+/// Elements [first, second) of a buffer.
+using exact_range = std::pair<size_t, size_t>;
+
+/// The same sum for a replica group whose ranks hold only part of the
+/// buffer (resident experts): the `shared` ranges, packed in order, are
+/// split by shard_counts over `group` as in exact_reduce_scatter, and this
+/// rank's `own` ranges are complete here (no other member of the group
+/// adds to them). out = [this rank's block of the packed shared elements |
+/// the own ranges in order], summed over `cross`. Bit-identical to the same
+/// elements of exact_all_reduce's result, whatever the layout.
+caf::error exact_reduce_scatter_packed(communicator& world, communicator& group,
+                                       communicator& cross,
+                                       const std::vector<std::span<const float>>& contributions,
+                                       size_t count, std::span<const exact_range> shared,
+                                       const std::vector<size_t>& shard_counts,
+                                       std::span<const exact_range> own, std::span<float> out,
+                                       size_t contributions_max, const op_options& o = {},
+                                       std::span<const exact_piece> pieces = {});
+
 } // namespace cmesh::coll

@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include <utility>
+#include <vector>
 
 namespace cmesh {
 
@@ -104,6 +105,21 @@ size_t resident_bytes() {
   const int got = std::fscanf(f, "%lu %lu", &size, &resident);
   std::fclose(f);
   return got == 2 ? static_cast<size_t>(resident) * page_size() : 0;
+}
+
+size_t resident_bytes_in(const float* p, size_t n) {
+  if (n == 0)
+    return 0;
+  const size_t page = page_size();
+  const auto a = reinterpret_cast<uintptr_t>(p) / page * page;
+  const auto b = (reinterpret_cast<uintptr_t>(p + n) + page - 1) / page * page;
+  std::vector<unsigned char> in((b - a) / page);
+  if (::mincore(reinterpret_cast<void*>(a), b - a, in.data()) != 0)
+    return 0;
+  size_t pages = 0;
+  for (unsigned char c : in)
+    pages += c & 1;
+  return pages * page;
 }
 
 } // namespace cmesh

@@ -56,4 +56,9 @@ void discard_pages(float* p, size_t n);
 /// This process's resident memory now, in bytes (0 where unknown).
 size_t resident_bytes();
 
+/// The bytes of the pages holding [p, p + n) that are resident now
+/// (mincore; whole pages, so a range's edge pages count whole; 0 where
+/// unknown).
+size_t resident_bytes_in(const float* p, size_t n);
+
 } // namespace cmesh

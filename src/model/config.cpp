@@ -119,6 +119,8 @@ std::map<std::string, std::map<std::string, setter>> schema() {
                               "fp32", "bf16");
   t["sharding"] = choice_key([](run_config& c) -> std::string& { return c.train.sharding; },
                              "optimizer", "full");
+  t["experts"] = choice_key([](run_config& c) -> std::string& { return c.train.experts; },
+                            "replicated", "resident");
   t["expert_placement"] = choice_key(
     [](run_config& c) -> std::string& { return c.train.expert_placement; }, "balanced", "static");
   t["device"] =
@@ -247,6 +249,19 @@ caf::error validate(const run_config& c, size_t replicas, size_t ranks_per_group
   if (t.device != "cpu" && t.sharding == "full")
     return bad("train.sharding = \"full\" is not supported with device \"" + t.device
                + "\" yet");
+  if (t.experts == "resident") {
+    const auto not_yet = [&](const std::string& what) {
+      return bad("train.experts = \"resident\" does not support " + what + " yet");
+    };
+    if (t.sharding != "optimizer")
+      return not_yet("train.sharding = \"" + t.sharding + "\"");
+    if (t.device != "cpu")
+      return not_yet("train.device = \"" + t.device + "\"");
+    if (t.precision != "fp32")
+      return not_yet("train.precision = \"" + t.precision + "\"");
+    if (t.expert_replicas != 0)
+      return not_yet("train.expert_replicas (replicas of hot experts)");
+  }
   if (t.exact && t.sharding == "full")
     return bad("exact mode needs train.sharding = \"optimizer\" (it turns each micro-batch's "
                "whole gradient into fixed point; full sharding hands gradients back tensor by "
@@ -303,6 +318,7 @@ expected<config_list> canonical_config(const run_config& c, size_t replicas,
   add("train.loss_scale", t.loss_scale);
   add("train.sharding", t.sharding);
   add("train.overlap", t.overlap);
+  add("train.experts", t.experts);
   add("train.expert_placement", t.expert_placement);
   add("train.expert_replicas", t.expert_replicas);
   add("train.device", t.device);

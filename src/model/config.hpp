@@ -83,6 +83,13 @@ struct train_config {
   // most expert_replicas extra copies of hot experts; "static" gives each
   // rank a fixed block of E/S.
   std::string expert_placement = "balanced";
+  // Where the experts' weights, gradients and optimizer state live with
+  // several ranks per group: "replicated" (every rank holds every expert's
+  // weights and gradient; the optimizer state is sharded like the dense
+  // layers') or "resident" (each expert only on the rank hosting it, the
+  // static block e * S / E; tokens travel to it, its weights never do).
+  // Resident experts need optimizer sharding, the CPU and fp32 for now.
+  std::string experts = "replicated";
   size_t expert_replicas = 0;
   // Where each rank computes its forward/backward: "cpu", "cuda" (a GPU per
   // rank; the optimizer stays on the host), or "emulated" (the device code

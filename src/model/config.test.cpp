@@ -121,6 +121,16 @@ TEST_CASE("bad configs give clear errors") {
   CHECK(err("[train]\ndevice = \"cuda\"\nsharding = \"full\"\n").find("not supported")
         != std::string::npos);
   CHECK(err("[train]\nsharding = \"zero3\"\n").find("train.sharding must be") != std::string::npos);
+  CHECK(err("[train]\nexperts = \"sharded\"\n").find("train.experts must be") != std::string::npos);
+  for (auto [keys, what] : {std::pair{"sharding = \"full\"", "train.sharding = \"full\""},
+                            {"device = \"emulated\"", "train.device = \"emulated\""},
+                            {"precision = \"bf16\"", "train.precision = \"bf16\""},
+                            {"expert_replicas = 2", "train.expert_replicas"}}) {
+    const auto e = err(std::string("[train]\nexperts = \"resident\"\n") + keys + "\n");
+    CHECK_MESSAGE(e.find(std::string("train.experts = \"resident\" does not support ") + what)
+                    != std::string::npos,
+                  e);
+  }
   CHECK(err("[train]\nexact = true\nsharding = \"full\"\n").find("train.sharding = \"optimizer\"")
         != std::string::npos);
   CHECK(err("[train]\noverlap = 1\n").find("train.overlap must be true or false")

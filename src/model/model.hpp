@@ -153,6 +153,18 @@ public:
   /// expert here). False when the model does not support it.
   virtual bool set_expert_exchange(expert_exchange* x) { return x == nullptr; }
 
+  /// Resident experts: from now on the model reads and writes only the
+  /// flat ranges [first, second) of parameters() and gradients() (the
+  /// dense tensors and the experts this rank hosts; zero_gradients zeroes
+  /// only those), and the rest of both buffers goes back to the operating
+  /// system. The caller runs the experts over an expert_exchange that
+  /// hosts here only experts inside `ranges`. False when the model does
+  /// not support it.
+  virtual bool hold_only(std::span<const std::pair<size_t, size_t>> ranges) {
+    (void)ranges;
+    return false;
+  }
+
   /// Streams the weights and gradients through `s` from now on (nullptr:
   /// both whole in parameters() and gradients()). False when the model
   /// does not support it.

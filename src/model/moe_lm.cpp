@@ -1383,8 +1383,29 @@ public:
   std::span<float> gradients() override { return grads_.span(); }
   // Streamed: the gradients are the stream's, handed back unit by unit.
   void zero_gradients() override {
-    if (!net_.streamed())
+    if (net_.streamed())
+      return;
+    if (held_.empty())
       std::fill(grads_.begin(), grads_.end(), 0.0f);
+    for (auto [a, b] : held_)
+      std::fill(grads_.begin() + a, grads_.begin() + b, 0.0f);
+  }
+
+  bool hold_only(std::span<const std::pair<size_t, size_t>> ranges) override {
+    if (net_.streamed() || ranges.empty())
+      return false;
+    held_.assign(ranges.begin(), ranges.end());
+    size_t at = 0;
+    for (auto [a, b] : held_) {
+      if (a < at || b < a || b > params_.size())
+        return false;
+      discard_pages(params_.data() + at, a - at);
+      discard_pages(grads_.data() + at, a - at);
+      at = b;
+    }
+    discard_pages(params_.data() + at, params_.size() - at);
+    discard_pages(grads_.data() + at, grads_.size() - at);
+    return true;
   }
 
   step_stats forward_backward(const batch& b, float loss_scale) override {
@@ -1419,6 +1440,7 @@ private:
   // Untouched pages cost nothing: with streamed weights the runtime drops
   // the initial weights' pages, and the gradient's are never touched.
   page_array params_, grads_;
+  std::vector<std::pair<size_t, size_t>> held_; // hold_only: the ranges in use
 };
 
 } // namespace
