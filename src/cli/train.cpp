@@ -404,11 +404,11 @@ expected<int> run_training(joined_mesh& j, const model::run_config& config, size
                shadow.durable.writes() ? "; --resume latest goes on from there" : "");
   sup.finished(result->steps,
                {rank, "done",
-                fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} weights={:016x} "
-                            "expert_mib={:.3f}",
+                fmt::format("steps={} loss={:.4f} tokens/s={:.0f} seconds={:.1f} "
+                            "expert_mib={:.3f} weights={:016x}",
                             result->steps, result->final_loss, result->tokens_per_s,
-                            result->seconds, result->weights_xxh64,
-                            static_cast<double>(result->expert_bytes) / (1 << 20)),
+                            result->seconds, static_cast<double>(result->expert_bytes) / (1 << 20),
+                            result->weights_xxh64),
                 mono_ns()});
   print_stats(rank, *step_ms_total, result->verify_ms, j.net->stats());
   sinks.print(rank, *result);

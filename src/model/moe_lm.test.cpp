@@ -1,4 +1,5 @@
 #include "model/moe_lm.hpp"
+#include "model/thread_hub.hpp"
 
 #include "kernels/gemm.hpp"
 #include "kernels/optim.hpp"
@@ -360,65 +361,13 @@ TEST_CASE("moe_lm: 150 AdamW steps learn a repetitive text (loss < 1.0 from ~5.5
 
 namespace {
 
-/// Expert exchange between models in threads of one process (a unit-test
-/// stand-in for the group communicator): every call is a barrier at which
-/// each rank's send blocks are copied to their receivers.
-class thread_exchange_hub {
-public:
-  explicit thread_exchange_hub(size_t ranks) : n_(ranks), in_(ranks), sends_(ranks) {}
-
-  void all_to_all(size_t me, const char* in, const std::vector<size_t>& send_bytes, char* out,
-                  const std::vector<size_t>& recv_bytes) {
-    std::unique_lock lk(mu_);
-    const uint64_t round = round_;
-    in_[me] = in;
-    sends_[me] = send_bytes;
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++round_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lk, [&] { return round_ != round; });
-    }
-    // Everyone's inputs are published; copy mine out of each.
-    size_t at = 0;
-    for (size_t j = 0; j < n_; ++j) {
-      size_t off = 0;
-      for (size_t q = 0; q < me; ++q)
-        off += sends_[j][q];
-      REQUIRE(sends_[j][me] == recv_bytes[j]);
-      if (recv_bytes[j] > 0) // a rank receiving nothing may pass null
-        std::memcpy(out + at, in_[j] + off, recv_bytes[j]);
-      at += recv_bytes[j];
-    }
-    // A second barrier: nobody reuses its input before all have copied.
-    if (++done_ == n_) {
-      done_ = 0;
-      ++done_round_;
-      cv_.notify_all();
-    } else {
-      const uint64_t r = done_round_;
-      cv_.wait(lk, [&] { return done_round_ != r; });
-    }
-  }
-
-private:
-  size_t n_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  size_t arrived_ = 0, done_ = 0;
-  uint64_t round_ = 0, done_round_ = 0;
-  std::vector<const char*> in_;
-  std::vector<std::vector<size_t>> sends_;
-};
-
 using hosts_t = std::vector<std::vector<uint32_t>>;
 /// A fixed placement for every layer and micro-batch (empty: the default).
 using placement_fn = std::function<hosts_t(size_t experts)>;
 
 class thread_exchange final : public expert_exchange {
 public:
-  thread_exchange(thread_exchange_hub& hub, size_t ranks, size_t me, placement_fn place = {})
+  thread_exchange(thread_hub& hub, size_t ranks, size_t me, placement_fn place = {})
       : hub_(hub), ranks_(ranks), me_(me), place_(std::move(place)) {}
   void place(size_t layer, const int64_t* rows, size_t experts, hosts_t& hosts) override {
     if (place_)
@@ -461,7 +410,7 @@ private:
       b.push_back(c * size);
     return b;
   }
-  thread_exchange_hub& hub_;
+  thread_hub& hub_;
   size_t ranks_, me_;
   placement_fn place_;
 };
@@ -513,7 +462,7 @@ struct split_group {
       t.join();
   }
 
-  thread_exchange_hub hub;
+  thread_hub hub;
   std::vector<std::unique_ptr<model>> models;
   std::vector<std::unique_ptr<thread_exchange>> xs;
 };
@@ -628,7 +577,7 @@ TEST_CASE("moe_lm: experts split over one rank compute exactly what the local ex
   std::mt19937 rng(5);
   const batch b = make_batch(repeated_text(4096), 4, 32, rng);
   auto local = make_moe_lm(c), split = make_moe_lm(c);
-  thread_exchange_hub hub(1);
+  thread_hub hub(1);
   thread_exchange x(hub, 1, 0);
   REQUIRE(split->set_expert_exchange(&x));
   auto s1 = local->forward_backward(b);
