@@ -280,11 +280,14 @@ TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one 
   // Not exact mode: experts run on their owners (all_to_allv inside the
   // step), and a failure in the middle of an exchange votes the step down.
   // With full sharding the weights and gradients also stream through the
-  // group inside the step: a kill lands in the middle of those too.
-  for (std::string sharding : {"optimizer", "full"}) {
-    CAPTURE(sharding);
+  // group inside the step: a kill lands in the middle of those too. With
+  // resident experts a restarted rank's catch-up brings its own experts.
+  for (std::string keys : {"sharding = \"optimizer\"", "sharding = \"full\"",
+                           "experts = \"resident\""}) {
+    CAPTURE(keys);
+    const bool full = keys == "sharding = \"full\"";
     auto base = "/tmp/cmesh_recovery_ep_" + std::to_string(getpid());
-    std::ofstream(base + ".toml") << "[train]\nsharding = \"" << sharding << "\"\n";
+    std::ofstream(base + ".toml") << "[train]\n" << keys << "\n";
     // Every step verified: replicas agree bit for bit outside exact mode.
     auto r = run_cmesh("launch -n 4 --replicas 2 --steps 100 --log-every 20 --restart-delay-ms 200 "
                        "--verify-every 1 --chaos kill@10:1,kill@70:2? --config " + base
@@ -296,8 +299,10 @@ TEST_CASE("2x2 with experts split over each group's ranks: kills, catch-up, one 
     INFO(r.output);
     REQUIRE(r.exit_code == 0);
     CHECK(r.output.find("experts split over the 2 ranks") != std::string::npos);
-    if (sharding == "full")
+    if (full)
       CHECK(r.output.find("weights and gradients streamed over the 2 ranks") != std::string::npos);
+    if (keys == "experts = \"resident\"")
+      CHECK(r.output.find("resident experts: this rank holds 2 of 4 experts") != std::string::npos);
     int kills = 0, grows = 0;
     for (auto& e : ev) {
       kills += e.name == "chaos" ? 1 : 0;
