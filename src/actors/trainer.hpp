@@ -71,6 +71,12 @@
 // rank's rows as products of their own, and the weight gradient of another
 // rank's rows reaches the fixed-point sum as a piece of that rank's
 // micro-batch (coll::exact_piece), so the bits do not depend on the layout.
+// Resident experts (train.experts = "resident", actors/resident.hpp): each
+// expert lives only on its host position (the static blocks), so a
+// position's state is its piece of the dense tensors (packed, without the
+// experts) followed by its experts; the dense pieces are gathered and
+// reduce-scattered packed, the experts' gradient is complete on the host,
+// and the state is summed over the groups as before.
 #pragma once
 
 #include "collectives/communicator.hpp"
