@@ -929,10 +929,13 @@ job_outcome await_launched_training(coordinator& coord, const job_options& job,
     if (auto e = forward_stop(job, ls, w, v.max_member_step); !e.empty())
       return e;
     chaos.run_due(v, now);
-    // A catch-up of a small model lasts a step or two (tens of ms): while
-    // a kill of its source waits for one, look every millisecond until the
-    // next tick rather than once per tick.
-    for (int i = 0; i < 19 && chaos.awaits_catchup(v.max_member_step); ++i) {
+    // A catch-up of a small model lasts a step or two (tens of ms), and the
+    // view names its source only until the joiner is a member: while a kill
+    // of its source waits for one, look every millisecond through this
+    // tick and the pause before the next (40 ms by the clock, however slow
+    // a loaded machine makes each look), not once per tick.
+    const auto until = launch_clock::now() + std::chrono::milliseconds(40);
+    while (chaos.awaits_catchup(v.max_member_step) && launch_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       chaos.run_due(w.manager->snapshot(), launch_clock::now());
     }
