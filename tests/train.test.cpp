@@ -227,6 +227,23 @@ TEST_CASE("overlap: gradients summed unit by unit during the backward pass give 
       CHECK(weights[0] == weights[1]);
     }
   }
+  // Resident experts at 2x2: dense units reduce-scattered by the packed
+  // split, each expert unit summed over the groups by its hosts.
+  std::vector<std::string> resident;
+  for (const std::string overlap : {"true", "false"}) {
+    {
+      std::ofstream(path) << "[train]\noverlap = " << overlap
+                          << "\nexperts = \"resident\"\nglobal_batch = 12\n";
+    }
+    auto r = train(layout(2, 2) + " --config " + path + " --steps 30 --log-every 10");
+    CHECK((r.output.find("resident experts: gradients summed unit by unit") != std::string::npos)
+          == (overlap == "true"));
+    auto ranks = rank_weights(r.output);
+    REQUIRE(ranks.size() == 4);
+    CHECK(std::set<std::string>(ranks.begin(), ranks.end()).size() == 1);
+    resident.push_back(ranks[0]);
+  }
+  CHECK(resident[0] == resident[1]);
   std::remove(path.c_str());
 }
 

@@ -59,6 +59,10 @@ expected<resident_layout> resident_layout::make(const std::vector<model::tensor_
     else
       units.push_back({{a, b}, l.host_of(e)});
   }
+  for (size_t at = 0; const auto& r : l.dense_) {
+    l.dense_starts_.push_back(at);
+    at += r.size();
+  }
   l.dense_split_ = split_shards(l.dense_total_, ranks, norm_block);
   // The state: the dense piece (its flat ranges), then the units.
   size_t packed = 0;
@@ -87,6 +91,10 @@ expected<resident_layout> resident_layout::make(const std::vector<model::tensor_
     next_block += n;
   }
   l.blocks_ = next_block;
+  for (size_t at = l.dense_piece(); const auto& u : l.units()) {
+    l.unit_starts_.push_back(at);
+    at += u.size();
+  }
   for (const auto& r : l.state_ranges_) {
     l.state_starts_.push_back(l.state_size_);
     l.state_size_ += r.size();
@@ -99,6 +107,30 @@ size_t resident_layout::flat_of(size_t i) const {
   CMESH_CHECK(it != state_starts_.begin() && i < state_size_);
   const size_t k = static_cast<size_t>(it - state_starts_.begin()) - 1;
   return state_ranges_[k].begin + (i - state_starts_[k]);
+}
+
+namespace {
+
+/// The index, in a space where `ranges` lie back to back from `starts`, of
+/// flat element `flat` (which one of the ranges holds).
+size_t index_in(const std::vector<flat_range>& ranges, const std::vector<size_t>& starts,
+                size_t flat) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), flat,
+                             [](size_t f, const flat_range& r) { return f < r.begin; });
+  CMESH_CHECK(it != ranges.begin());
+  const size_t k = static_cast<size_t>(it - ranges.begin()) - 1;
+  CMESH_CHECK(flat < ranges[k].end);
+  return starts[k] + (flat - ranges[k].begin);
+}
+
+} // namespace
+
+size_t resident_layout::packed_of(size_t flat) const {
+  return index_in(dense_, dense_starts_, flat);
+}
+
+size_t resident_layout::state_of(size_t flat) const {
+  return index_in(units(), unit_starts_, flat);
 }
 
 std::vector<flat_range> resident_layout::touched() const {

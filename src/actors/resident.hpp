@@ -71,6 +71,11 @@ public:
   const std::vector<flat_range>& state_ranges() const { return state_ranges_; }
   /// The flat element at index i of this position's state.
   size_t flat_of(size_t i) const;
+  /// The packed dense index of flat element `flat` of a dense tensor.
+  size_t packed_of(size_t flat) const;
+  /// The state index of flat element `flat` of one of this position's
+  /// experts' units.
+  size_t state_of(size_t flat) const;
   /// Every flat range this rank reads or writes: the dense tensors and its
   /// experts' units, ascending.
   std::vector<flat_range> touched() const;
@@ -92,11 +97,13 @@ public:
 private:
   size_t ranks_ = 1, position_ = 0, experts_ = 1, total_ = 0;
   std::vector<flat_range> dense_;
+  std::vector<size_t> dense_starts_; // packed index where each dense range starts
   size_t dense_total_ = 0;
   shard_split dense_split_;
   std::vector<std::vector<flat_range>> units_; // per position
   std::vector<flat_range> state_ranges_;
   std::vector<size_t> state_starts_; // state index where each state range starts
+  std::vector<size_t> unit_starts_;  // state index where each of its units starts
   size_t state_size_ = 0;
   size_t blocks_ = 0;
   std::vector<size_t> block_ids_, block_lengths_;

@@ -49,6 +49,16 @@ TEST_CASE("resident layout: every element held once per group, experts on their 
       for (const auto& r : l->state_ranges())
         for (size_t f = r.begin; f < r.end; ++f, ++i)
           REQUIRE(l->flat_of(i) == f);
+      // packed_of and state_of place single elements as the copies do.
+      for (size_t k = 0, at = 0; k < l->dense().size(); ++k) {
+        CHECK(l->packed_of(l->dense()[k].begin) == at);
+        CHECK(l->packed_of(l->dense()[k].end - 1) == at + l->dense()[k].size() - 1);
+        at += l->dense()[k].size();
+      }
+      for (const auto& u : l->units()) {
+        CHECK(l->flat_of(l->state_of(u.begin)) == u.begin);
+        CHECK(l->flat_of(l->state_of(u.end - 1)) == u.end - 1);
+      }
       // Its units are exactly the tensors of its experts.
       size_t unit_elements = 0;
       for (const auto& u : l->units())

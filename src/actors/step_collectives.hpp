@@ -6,6 +6,7 @@
 // tests drive them directly.
 
 #include "actors/collective_lane.hpp"
+#include "actors/resident.hpp"
 #include "actors/trainer.hpp"
 #include "collectives/communicator.hpp"
 #include "collectives/exact.hpp"
@@ -451,6 +452,12 @@ public:
     shards_ = &shards;
     position_ = position;
   }
+  /// Resident experts (groups of several ranks, fp32): `sum` is the
+  /// rank's state. A dense unit is reduce-scattered over the group by the
+  /// packed dense split; an expert unit is complete on its host, which
+  /// copies it into its state and sums it over the groups; other ranks
+  /// skip it.
+  void bind_resident(const resident_layout* layout) { resident_ = layout; }
   /// For one step; nothing goes before arm() or whole().
   void reset(const step& st) {
     st_ = st;
@@ -478,6 +485,12 @@ public:
     if (!armed_)
       return;
     const auto [a, b] = unit_range(*model_, first, last);
+    if (const int e = model_->tensors()[first].expert; resident_ && e >= 0) {
+      covered_ += b - a;
+      if (resident_->host_of(static_cast<size_t>(e)) == position_)
+        submit_expert(a, b);
+      return;
+    }
     if (hi_ > lo_ && (b == lo_ || a == hi_)) { // adjacent: one collective for both
       lo_ = std::min(lo_, a);
       hi_ = std::max(hi_, b);
@@ -501,8 +514,20 @@ private:
   // thousand elements, and a collective each would cost more than it hides.
   static constexpr size_t bucket_elements = size_t{1} << 20;
 
+  /// Resident: this rank's expert unit [a, b) into its state, summed over
+  /// the groups.
+  void submit_expert(size_t a, size_t b) {
+    float* sum = st_.sum.data() + resident_->state_of(a);
+    std::copy(st_.grads.begin() + a, st_.grads.begin() + b, sum);
+    hand([c = st_.cross, sum, n = b - a] {
+      return c->all_reduce(sum, n, coll::dtype::float32, coll::reduce_op::sum);
+    });
+  }
+
   void submit(size_t a, size_t b) {
     covered_ += b - a;
+    if (resident_)
+      return submit_packed(a, b);
     float* g = st_.grads.data() + a;
     uint16_t* w = st_.wire16 ? st_.wire16 + a : nullptr;
     if (!st_.cross) {
@@ -540,6 +565,26 @@ private:
       return e;
     });
   }
+  /// Resident: the dense range [a, b) (flat, contiguous in the packed order
+  /// too) reduce-scattered over the group by the packed dense split into
+  /// the state's dense piece, then summed over the groups.
+  void submit_packed(size_t a, size_t b) {
+    CMESH_CHECK(st_.cross != nullptr && st_.wire16 == nullptr);
+    const size_t pa = resident_->packed_of(a);
+    std::vector<size_t> counts;
+    const size_t lo = unit_pieces(resident_->dense_split(), pa, pa + (b - a), position_, counts);
+    const size_t mine = counts[position_];
+    const size_t at = mine ? lo - resident_->dense_split().offsets[position_] : 0;
+    hand([st = st_, g = st_.grads.data() + a, counts = std::move(counts), mine, at] {
+      float* sum = st.sum.data() + at;
+      auto e = st.group->reduce_scatter(g, sum, counts, coll::dtype::float32,
+                                        coll::reduce_op::sum);
+      if (!e)
+        e = st.cross->all_reduce(sum, mine, coll::dtype::float32, coll::reduce_op::sum);
+      return e;
+    });
+  }
+
   /// To the lane, or run here (the first error latches).
   void hand(collective_lane::job j) {
     if (lane_)
@@ -551,6 +596,7 @@ private:
   model::model* model_ = nullptr;
   collective_lane* lane_ = nullptr;
   const shard_split* shards_ = nullptr;
+  const resident_layout* resident_ = nullptr;
   size_t position_ = 0;
   step st_;
   bool armed_ = false;

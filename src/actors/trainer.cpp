@@ -651,6 +651,7 @@ struct trainer::loop {
   std::span<float> master;    // the fp32 master of the shard
   bool whole_weights = false; // not streamed, not exact: summed unit by unit or whole
   bool unit_overlap = false;  // whole weights summed during the backward pass
+  bool resident_overlap = false; // resident experts: the same, unit by unit into the state
   train_result result;
   double t_start = 0;
   double tokens_per_step = 0;
@@ -698,6 +699,7 @@ struct trainer::loop {
                             std::span<const coll::exact_piece> pieces);
   size_t group_runs(const step_ctx& s) const;
   void sum_whole(step_ctx& s);
+  void finish_units(step_ctx& s);
   void sum_on_device(step_ctx& s);
   void sum_shard(step_ctx& s);
   void reduce_gradient(step_ctx& s);
@@ -755,7 +757,15 @@ caf::error trainer::loop::prepare() {
     }
     I.reducer.bind(net, I.lane.get(), I.shards, I.position);
   }
-  unit_overlap = whole_weights && I.lane;
+  if (I.resident && S > 1 && !tc.exact && tc.overlap && net.set_gradient_listener(&I.reducer)) {
+    I.lane = std::make_unique<collective_lane>();
+    I.reducer.bind(net, I.lane.get(), I.shards, I.position);
+    I.reducer.bind_resident(&*I.resident);
+    resident_overlap = true;
+    spdlog::info("trainer: resident experts: gradients summed unit by unit during the backward "
+                 "pass");
+  }
+  unit_overlap = (whole_weights && I.lane) || resident_overlap;
   replay = [this](uint64_t k, std::span<const float> u) {
     I.apply(master, k, u);
     I.remember(k, u);
@@ -784,9 +794,6 @@ caf::error trainer::loop::hold_resident() {
   if (!net.hold_only(keep))
     return make_error(errc::invalid_argument,
                       "train.experts = \"resident\": the model cannot hold part of its weights");
-  if (tc.overlap && S > 1)
-    spdlog::info("trainer: resident experts: gradients summed after the backward pass "
-                 "(no overlap yet)");
   spdlog::info("trainer: resident experts: this rank holds {} of {} experts per layer, {} of "
                "{} parameters",
                net.experts() / S, net.experts(), L.state_size(), params.size());
@@ -879,6 +886,8 @@ void trainer::loop::split_experts() {
   I.experts.reset(I.group);
   I.experts.set_lane(I.lane.get());
   I.expert_parallel = net.set_expert_exchange(&I.experts);
+  // A rank holds only its experts' weights: it must never compute another's.
+  CMESH_CHECK(I.expert_parallel || !I.resident);
   if (I.expert_parallel)
     spdlog::info("trainer: experts split over the {} ranks of the replica group", S);
 }
@@ -959,6 +968,8 @@ void trainer::loop::bind_update(step_ctx& s) {
   if (I.resident) {
     I.shard_grad.resize(master.size());
     s.update = I.shard_grad;
+    if (resident_overlap)
+      I.reducer.reset({I.group, I.cross, grads, s.update, nullptr, nullptr});
     return;
   }
   s.update = S == 1 ? grads : std::span<float>();
@@ -1135,9 +1146,15 @@ void trainer::loop::sum_on_device(step_ctx& s) {
 void trainer::loop::sum_whole(step_ctx& s) {
   if (I.on_device)
     return sum_on_device(s);
-  const double t0 = mono_s();
   if (!unit_overlap && !s.latched)
     I.reducer.whole();
+  finish_units(s);
+}
+
+/// Waits for the unit reducer's sums of the step: every unit summed, or
+/// the step's error.
+void trainer::loop::finish_units(step_ctx& s) {
+  const double t0 = mono_s();
   auto e = I.reducer.finish();
   I.comm_s += mono_s() - t0;
   if (!e && !s.latched && I.reducer.covered() != grads.size())
@@ -1165,7 +1182,9 @@ void trainer::loop::reduce_gradient(step_ctx& s) {
   // bf16: gradients of the scaled loss, summed as bf16.
   const float scale = I.bf16 ? I.scalars[0] : 1.0f;
   compute(s, scale);
-  if (I.resident)
+  if (resident_overlap)
+    finish_units(s);
+  else if (I.resident)
     sum_resident(s);
   else if (I.full)
     sum_shard(s);
