@@ -144,40 +144,58 @@ std::vector<flat_range> resident_layout::touched() const {
   return out;
 }
 
-void resident_layout::gather_state(std::span<const float> flat, std::span<float> state) const {
-  CMESH_CHECK(flat.size() == total_ && state.size() == state_size_);
-  size_t at = 0;
-  for (const auto& r : state_ranges_) {
-    std::copy(flat.begin() + r.begin, flat.begin() + r.end, state.begin() + at);
-    at += r.size();
-  }
-}
+namespace {
 
-void resident_layout::scatter_state(std::span<const float> state, std::span<float> flat) const {
-  CMESH_CHECK(flat.size() == total_ && state.size() == state_size_);
-  size_t at = 0;
-  for (const auto& r : state_ranges_) {
-    std::copy(state.begin() + at, state.begin() + at + r.size(), flat.begin() + r.begin);
-    at += r.size();
-  }
-}
-
-void resident_layout::pack_dense(std::span<const float> flat, std::span<float> packed) const {
-  CMESH_CHECK(flat.size() == total_ && packed.size() == dense_total_);
-  size_t at = 0;
-  for (const auto& r : dense_) {
+/// `ranges` of `flat` into `packed` back to back from index `at`.
+void pack_ranges(const std::vector<flat_range>& ranges, std::span<const float> flat,
+                 std::span<float> packed, size_t at) {
+  for (const auto& r : ranges) {
+    CMESH_CHECK(r.end <= flat.size() && at + r.size() <= packed.size());
     std::copy(flat.begin() + r.begin, flat.begin() + r.end, packed.begin() + at);
     at += r.size();
   }
 }
 
-void resident_layout::unpack_dense(std::span<const float> packed, std::span<float> flat) const {
-  CMESH_CHECK(flat.size() == total_ && packed.size() == dense_total_);
-  size_t at = 0;
-  for (const auto& r : dense_) {
+/// The inverse: `packed` from index `at` back into `ranges` of `flat`.
+void unpack_ranges(const std::vector<flat_range>& ranges, std::span<const float> packed,
+                   std::span<float> flat, size_t at) {
+  for (const auto& r : ranges) {
+    CMESH_CHECK(r.end <= flat.size() && at + r.size() <= packed.size());
     std::copy(packed.begin() + at, packed.begin() + at + r.size(), flat.begin() + r.begin);
     at += r.size();
   }
+}
+
+} // namespace
+
+void resident_layout::gather_state(std::span<const float> flat, std::span<float> state) const {
+  CMESH_CHECK(flat.size() == total_ && state.size() == state_size_);
+  pack_ranges(state_ranges_, flat, state, 0);
+}
+
+void resident_layout::scatter_state(std::span<const float> state, std::span<float> flat) const {
+  CMESH_CHECK(flat.size() == total_ && state.size() == state_size_);
+  unpack_ranges(state_ranges_, state, flat, 0);
+}
+
+void resident_layout::gather_units(std::span<const float> flat, std::span<float> state) const {
+  CMESH_CHECK(flat.size() == total_ && state.size() == state_size_);
+  pack_ranges(units(), flat, state, dense_piece());
+}
+
+void resident_layout::scatter_units(std::span<const float> state, std::span<float> flat) const {
+  CMESH_CHECK(flat.size() == total_ && state.size() == state_size_);
+  unpack_ranges(units(), state, flat, dense_piece());
+}
+
+void resident_layout::pack_dense(std::span<const float> flat, std::span<float> packed) const {
+  CMESH_CHECK(flat.size() == total_ && packed.size() == dense_total_);
+  pack_ranges(dense_, flat, packed, 0);
+}
+
+void resident_layout::unpack_dense(std::span<const float> packed, std::span<float> flat) const {
+  CMESH_CHECK(flat.size() == total_ && packed.size() == dense_total_);
+  unpack_ranges(dense_, packed, flat, 0);
 }
 
 } // namespace cmesh::actors

@@ -62,7 +62,7 @@ public:
   const std::vector<flat_range>& units() const { return units_[position_]; }
   const std::vector<flat_range>& units_of(size_t p) const { return units_[p]; }
   /// The position hosting expert e.
-  size_t host_of(size_t expert) const { return expert * ranks_ / experts_; }
+  size_t host_of(size_t expert) const { return model::static_host(expert, ranks_, experts_); }
 
   /// Elements of this position's state: its dense piece, then its units.
   size_t state_size() const { return state_size_; }
@@ -84,6 +84,9 @@ public:
   /// (state_size() of them), or back (`state` into `flat`).
   void gather_state(std::span<const float> flat, std::span<float> state) const;
   void scatter_state(std::span<const float> state, std::span<float> flat) const;
+  /// The same for its experts' units only (the state's tail).
+  void gather_units(std::span<const float> flat, std::span<float> state) const;
+  void scatter_units(std::span<const float> state, std::span<float> flat) const;
   /// The dense elements of `flat` packed into `packed` (dense_total()), or back.
   void pack_dense(std::span<const float> flat, std::span<float> packed) const;
   void unpack_dense(std::span<const float> packed, std::span<float> flat) const;

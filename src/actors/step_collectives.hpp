@@ -526,8 +526,6 @@ private:
 
   void submit(size_t a, size_t b) {
     covered_ += b - a;
-    if (resident_)
-      return submit_packed(a, b);
     float* g = st_.grads.data() + a;
     uint16_t* w = st_.wire16 ? st_.wire16 + a : nullptr;
     if (!st_.cross) {
@@ -542,9 +540,13 @@ private:
       });
       return;
     }
+    // Cut by the shards, or (resident) a dense range, contiguous in the
+    // packed order too, by the packed dense split into the state's piece.
+    const shard_split& split = resident_ ? resident_->dense_split() : *shards_;
+    const size_t from = resident_ ? resident_->packed_of(a) : a;
     std::vector<size_t> counts;
-    const size_t lo = unit_pieces(*shards_, a, b, position_, counts);
-    const size_t mine = counts[position_], at = mine ? lo - shards_->offsets[position_] : 0;
+    const size_t lo = unit_pieces(split, from, from + (b - a), position_, counts);
+    const size_t mine = counts[position_], at = mine ? lo - split.offsets[position_] : 0;
     hand([st = st_, g, w, n = b - a, counts = std::move(counts), mine, at] {
       float* sum = st.sum.data() + at;
       if (!w) {
@@ -565,26 +567,6 @@ private:
       return e;
     });
   }
-  /// Resident: the dense range [a, b) (flat, contiguous in the packed order
-  /// too) reduce-scattered over the group by the packed dense split into
-  /// the state's dense piece, then summed over the groups.
-  void submit_packed(size_t a, size_t b) {
-    CMESH_CHECK(st_.cross != nullptr && st_.wire16 == nullptr);
-    const size_t pa = resident_->packed_of(a);
-    std::vector<size_t> counts;
-    const size_t lo = unit_pieces(resident_->dense_split(), pa, pa + (b - a), position_, counts);
-    const size_t mine = counts[position_];
-    const size_t at = mine ? lo - resident_->dense_split().offsets[position_] : 0;
-    hand([st = st_, g = st_.grads.data() + a, counts = std::move(counts), mine, at] {
-      float* sum = st.sum.data() + at;
-      auto e = st.group->reduce_scatter(g, sum, counts, coll::dtype::float32,
-                                        coll::reduce_op::sum);
-      if (!e)
-        e = st.cross->all_reduce(sum, mine, coll::dtype::float32, coll::reduce_op::sum);
-      return e;
-    });
-  }
-
   /// To the lane, or run here (the first error latches).
   void hand(collective_lane::job j) {
     if (lane_)

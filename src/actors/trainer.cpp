@@ -805,9 +805,9 @@ caf::error trainer::loop::hold_resident() {
 /// packed, and unpacked into place.
 void trainer::loop::gather_resident(step_ctx& s) {
   const auto& L = *I.resident;
-  L.scatter_state(master, params);
   if (!I.group)
-    return;
+    return L.scatter_state(master, params);
+  L.scatter_units(master, params);
   I.packed.resize(L.dense_total());
   const size_t at = L.dense_split().offsets[I.position];
   std::copy(master.begin(), master.begin() + L.dense_piece(), I.packed.begin() + at);
@@ -833,11 +833,7 @@ void trainer::loop::sum_resident(step_ctx& s) {
       return I.group->reduce_scatter(I.packed.data(), s.update.data(), L.dense_split().counts,
                                      coll::dtype::float32, coll::reduce_op::sum);
     });
-    size_t at = L.dense_piece();
-    for (const auto& u : L.units()) {
-      std::copy(grads.begin() + u.begin, grads.begin() + u.end, s.update.begin() + at);
-      at += u.size();
-    }
+    L.gather_units(grads, s.update);
   }
   coll::communicator* across = I.group ? I.cross : s.comm;
   I.collective(s.latched, [&] {
@@ -1084,7 +1080,7 @@ void trainer::loop::compute_exact(step_ctx& s) {
     I.contributions[k].assign(grads.begin(), grads.end());
     spans.emplace_back(I.contributions[k]);
   }
-  if (s.mine.empty() || runs > s.mine.size())
+  if (s.mine.empty())
     net.zero_gradients();
   if (I.expert_parallel)
     if (auto e = I.experts.take_error(); e && !s.latched)

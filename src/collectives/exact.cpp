@@ -174,13 +174,24 @@ caf::error exact_sum::add(std::span<const float> contribution) {
   return {};
 }
 
+namespace {
+
+/// Whether `n` values at `offset` fit a buffer of `count`, and the error when not.
+caf::error piece_fits(size_t offset, size_t n, size_t count) {
+  if (offset <= count && n <= count - offset)
+    return {};
+  return make_error(errc::invalid_argument, "exact mode: a piece of " + std::to_string(n)
+                                              + " values at " + std::to_string(offset)
+                                              + " runs past the buffer of "
+                                              + std::to_string(count));
+}
+
+} // namespace
+
 void exact_sum::observe_piece(size_t offset, std::span<const float> values) {
-  if (offset > count_ || values.size() > count_ - offset) {
+  if (auto err = piece_fits(offset, values.size(), count_)) {
     if (!sticky_)
-      sticky_ = make_error(errc::invalid_argument,
-                           "exact mode: a piece of " + std::to_string(values.size())
-                             + " values at " + std::to_string(offset)
-                             + " runs past the buffer of " + std::to_string(count_));
+      sticky_ = std::move(err);
     return;
   }
   local_max_bits_ = std::max(local_max_bits_, max_abs_bits(values));
@@ -189,11 +200,8 @@ void exact_sum::observe_piece(size_t offset, std::span<const float> values) {
 caf::error exact_sum::add_piece(size_t offset, std::span<const float> values) {
   if (sticky_)
     return sticky_;
-  if (offset > count_ || values.size() > count_ - offset)
-    return make_error(errc::invalid_argument,
-                      "exact mode: a piece of " + std::to_string(values.size()) + " values at "
-                        + std::to_string(offset) + " runs past the buffer of "
-                        + std::to_string(count_));
+  if (auto err = piece_fits(offset, values.size(), count_))
+    return err;
   return accumulate(offset, values);
 }
 
@@ -282,7 +290,7 @@ caf::error exact_prepare(communicator& comm,
                                        contributions[k].size(), count));
     }
   for (size_t k = 0; k < pieces.size() && st == fine; ++k)
-    if (pieces[k].offset > count || pieces[k].values.size() > count - pieces[k].offset) {
+    if (piece_fits(pieces[k].offset, pieces[k].values.size(), count)) {
       st = bad_sizes;
       local = make_error(errc::invalid_argument,
                          "exact mode: piece " + std::to_string(k) + " ("
@@ -358,33 +366,10 @@ caf::error exact_reduce_scatter(communicator& world, communicator& group, commun
                                 size_t count, const std::vector<size_t>& shard_counts,
                                 std::span<float> out, size_t contributions_max,
                                 const op_options& o, std::span<const exact_piece> pieces) {
-  const size_t me = group.index(), last = shard_counts.size() - 1;
-  size_t total = 0;
-  for (auto c : shard_counts)
-    total += c;
-  if (shard_counts.size() != group.size() || total != count || out.size() != shard_counts[me])
-    return make_error(errc::invalid_argument,
-                      "exact mode: shard counts do not split the buffer over the group");
-  exact_sum sum(count, contributions_max);
-  if (auto err = exact_prepare(world, contributions, pieces, sum, o))
-    return err;
-  // Phase 3: the group's ranks reduce-scatter their integer sums, then each
-  // block is summed over the groups. The count of contributions rides at
-  // the end of the last block.
-  auto counts = shard_counts;
-  counts[last] += 1;
-  std::vector<int64_t> block(counts[me]);
-  if (auto err = group.reduce_scatter(sum.accumulator().data(), block.data(), counts,
-                                      dtype::int64, reduce_op::sum, o))
-    return err;
-  if (auto err = cross.all_reduce(std::span<int64_t>(block), reduce_op::sum, o))
-    return err;
-  if (me == last) {
-    int64_t n = block.back();
-    if (n < 0 || static_cast<uint64_t>(n) > contributions_max)
-      return make_error(errc::overflow, too_many(contributions_max, static_cast<uint64_t>(n)));
-  }
-  return fixed_to_floats(std::span<const int64_t>(block).first(out.size()), sum.shift(), out);
+  // The whole buffer shared, nothing of it this rank's own.
+  const exact_range whole{0, count};
+  return exact_reduce_scatter_packed(world, group, cross, contributions, count, {&whole, 1},
+                                     shard_counts, {}, out, contributions_max, o, pieces);
 }
 
 caf::error exact_reduce_scatter_packed(communicator& world, communicator& group,
@@ -409,7 +394,7 @@ caf::error exact_reduce_scatter_packed(communicator& world, communicator& group,
   if (shard_counts.size() != group.size() || split != packed
       || out.size() != shard_counts[me] + owned)
     return make_error(errc::invalid_argument,
-                      "exact mode: shard counts do not split the shared elements over the group");
+                      "exact mode: shard counts do not split the buffer over the group");
   for (auto rs : {shared, own})
     for (auto [a, b] : rs)
       if (a > b || b > count)
@@ -420,17 +405,22 @@ caf::error exact_reduce_scatter_packed(communicator& world, communicator& group,
   // Phase 3: the shared integers packed (the count of contributions at
   // their end), reduce-scattered over the group; this rank's own ones
   // appended; the block summed over the groups.
+  // The whole buffer shared: the accumulator is packed already.
   const auto acc = sum.accumulator();
   std::vector<int64_t> shared_acc;
-  shared_acc.reserve(packed + 1);
-  for (auto [a, b] : shared)
-    shared_acc.insert(shared_acc.end(), acc.begin() + a, acc.begin() + b);
-  shared_acc.push_back(acc[count]);
+  const int64_t* send = acc.data();
+  if (!(shared.size() == 1 && shared[0] == exact_range{0, count})) {
+    shared_acc.reserve(packed + 1);
+    for (auto [a, b] : shared)
+      shared_acc.insert(shared_acc.end(), acc.begin() + a, acc.begin() + b);
+    shared_acc.push_back(acc[count]);
+    send = shared_acc.data();
+  }
   auto counts = shard_counts;
   counts[last] += 1;
   std::vector<int64_t> block(counts[me]);
-  if (auto err = group.reduce_scatter(shared_acc.data(), block.data(), counts, dtype::int64,
-                                      reduce_op::sum, o))
+  if (auto err = group.reduce_scatter(send, block.data(), counts, dtype::int64, reduce_op::sum,
+                                      o))
     return err;
   const bool tail = me == last;
   const int64_t n_here = tail ? block.back() : 0;

@@ -51,6 +51,12 @@ struct step_stats {
 /// (and the same for the gradients). Every rank of the group must make the
 /// same calls in the same order: a rank with fewer micro-batches takes part
 /// with empty ones.
+/// The static placement of `experts` experts over `ranks` ranks: expert e
+/// on rank e * ranks / experts (blocks of experts / ranks when they divide).
+inline uint32_t static_host(size_t expert, size_t ranks, size_t experts) {
+  return static_cast<uint32_t>(expert * ranks / experts);
+}
+
 class expert_exchange {
 public:
   virtual ~expert_exchange() = default;
@@ -72,7 +78,7 @@ public:
     (void)rows;
     hosts.assign(experts, {});
     for (size_t e = 0; e < experts; ++e)
-      hosts[e] = {static_cast<uint32_t>(e * ranks() / experts)};
+      hosts[e] = {static_host(e, ranks(), experts)};
   }
   /// All-to-all of `per_rank` int64 values to and from every rank.
   virtual bool exchange_counts(const int64_t* in, int64_t* out, size_t per_rank) = 0;

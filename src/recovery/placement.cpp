@@ -689,20 +689,14 @@ void relabel(layout& l, const layout& ref, std::span<const uint32_t> slots) {
 /// The placement of `hosts`, loads summed afresh; mean over the ranks with slots.
 placement finish(layout_hosts hosts, std::span<const uint64_t> tokens,
                  std::span<const uint32_t> slots, bool optimal) {
-  placement out;
-  out.expert_ranks = std::move(hosts);
-  out.rank_experts.resize(slots.size());
-  out.rank_load.assign(slots.size(), 0.0);
-  double total = 0;
-  for (expert_id e = 0; e < out.expert_ranks.size(); ++e) {
-    auto& rs = out.expert_ranks[e];
+  for (auto& rs : hosts)
     std::sort(rs.begin(), rs.end());
-    total += static_cast<double>(tokens[e]);
-    for (auto r : rs) {
-      out.rank_experts[r].push_back(e);
-      out.rank_load[r] += share(tokens, e, rs.size());
-    }
-  }
+  layout l = make_layout(std::move(hosts), tokens, slots.size());
+  placement out;
+  out.expert_ranks = std::move(l.hosts);
+  out.rank_experts = std::move(l.held);
+  out.rank_load = std::move(l.load);
+  const double total = sum_tokens(tokens);
   out.max_load = *std::max_element(out.rank_load.begin(), out.rank_load.end());
   out.mean_load = total / static_cast<double>(std::max<size_t>(1, live_ranks(slots)));
   out.imbalance = out.mean_load > 0 ? out.max_load / out.mean_load : 1.0;
